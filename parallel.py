@@ -9,6 +9,251 @@ import torch.distributed as dist
 # Zigzag sharding and ring attention
 # ---------------------------------------------------------------------------------------------
 
+# Causal attention over one long sequence split across the ranks of a context-parallel group. The sequence
+# is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r (zigzag): one early and one late chunk, so
+# every rank owns the same share of the causal triangle. Ring attention then passes the K/V shards (the KV
+# heads only) round the ranks while each rank attends to them, and merges the partial results with their
+# log-sum-exp. Layout after zhuzilin/ring-flash-attention's zigzag variant: a forward, a backward and a
+# thin autograd.Function. Tested in tests/test_ring.py; bench/ring_sim.py checks the CUDA kernels.
+
+
+def zigzag_shard(x, dim, rank, world):
+    """Rank's zigzag shard of x along dim: chunks rank and 2*world-1-rank of 2*world equal chunks."""
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"sequence length L={x.shape[dim]} must be divisible by 2*cp={2 * world}")
+    chunks = x.chunk(2 * world, dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+
+
+def zigzag_unshard(shards, dim):
+    """Inverse of zigzag_shard, from the list of all ranks' shards in rank order."""
+    halves = [s.chunk(2, dim) for s in shards]  # rank r: (chunk r, chunk 2w-1-r)
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+def zigzag_positions(seq_len, rank, world, device=None):
+    """Global position ids [seq_len // world] of rank's tokens (its RoPE positions)."""
+    return zigzag_shard(torch.arange(seq_len, device=device), 0, rank, world)
+
+
+def local_causal_attention(q, k, v):
+    """Causal attention on one device (cp = 1): q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D]."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+# The kernels: flash-style ops that return the log-sum-exp of each query row, none of which builds the
+# [T x T] scores. All three take GQA as is (fewer K/V heads than Q heads, dK/dV come back with the KV head
+# count): checked against an fp64 oracle on CPU (tests/test_ring.py) and against SDPA on an H200
+# (bench/ring_sim.py). cuDNN is the fastest on H100/H200; flash is the fallback where cuDNN refuses.
+def _attn_fwd(q, k, v, causal):
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> out [B, Hq, Tq, D] in q.dtype, lse [B, Hq, Tq] fp32.
+    causal masks top-left aligned (query i sees keys 0..i); the ring only uses it with Tq == Tk."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+        return out, lse.reshape(out.shape[:3])  # cuDNN's lse is [B, Hq, Tq, 1]
+    except RuntimeError:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+
+
+def _attn_bwd(dout, q, k, v, out, lse, causal):
+    """Gradients of one _attn_fwd call from its inputs, out (in q.dtype) and lse [B, Hq, Tq] fp32.
+    -> dq [B, Hq, Tq, D], dk/dv [B, Hkv, Tk, D], in q.dtype."""
+    dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal)
+    tq, tk = q.shape[2], k.shape[2]
+    rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout seed/offset: unused at p = 0
+    try:
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1), rng, rng, None, None, None, tq, tk, 0.0, causal)
+    except RuntimeError:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, tq, tk, 0.0, causal, rng, rng)
+
+
+def _block(rank, src, t):
+    """What the causal mask keeps of the local queries against source rank src's keys at one ring step:
+    (query rows, key columns, causal), both halves of length t // 2. With the local pair [A | B] =
+    chunks [rank | 2w-1-rank] and the source pair [C | D] = chunks [src | 2w-1-src]:
+      src == rank: the local pair against itself, causal (A comes before B, so the mask on the pair is exact);
+      src <  rank: C comes before A and B, D after both: every local query sees C, none sees D;
+      src >  rank: C and D come after A and before B: only B sees the source, all of it.
+    Each case is t*t/2 query-key pairs, so every rank does the same work at every step."""
+    h = t // 2
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, h), False
+    return slice(h, None), slice(None), False
+
+
+def _fwd_step(q, k, v, out, lse, rank, src):
+    """One ring step of the forward: attend the local q [B, Hq, T, D] to source src's k/v [B, Hkv, T, D]
+    and fold the result into the running out [B, Hq, T, D] / lse [B, Hq, T] (fp32; None before step 0)."""
+    rows, cols, causal = _block(rank, src, q.shape[2])
+    out_b, lse_b = _attn_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal)
+    if out is None:  # step 0 covers every row
+        return out_b.float(), lse_b.float()
+    o, l = out[:, :, rows], lse[:, :, rows]  # views: updated in place
+    # softmax over the union of both key sets, in fp32; lerp(o, out_b, w) = o - w*(o - out_b)
+    o.lerp_(out_b.float(), torch.sigmoid(lse_b - l).unsqueeze(-1))
+    l.sub_(torch.nn.functional.logsigmoid(l - lse_b))  # = log(exp(l) + exp(lse_b))
+    return out, lse
+
+
+def _bwd_step(dout, q, k, v, out, lse, dq, rank, src):
+    """One ring step of the backward, with the final out (q.dtype) and lse: adds the block's dQ into dq
+    [B, Hq, T, D] fp32 and returns (cols, dk_b, dv_b), the gradient of source src's K/V columns cols."""
+    rows, cols, causal = _block(rank, src, q.shape[2])
+    dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                 out[:, :, rows], lse[:, :, rows], causal)
+    dq[:, :, rows] += dq_b
+    return cols, dk_b, dv_b
+
+
+class _Ring:
+    """Sends tensors to the next rank of the group and receives the same shapes from the previous one.
+    start() posts the transfer and returns the receive buffers at once; wait() before reading them, so
+    the transfer runs while the caller computes (a double buffer: the current K/V and the next)."""
+
+    def __init__(self, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % world)
+        self.prev = dist.get_global_rank(group, (rank - 1) % world)
+        self.group, self.reqs = group, []
+
+    def start(self, *tensors):
+        bufs = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in bufs]
+        self.reqs = dist.batch_isend_irecv(ops)
+        return bufs
+
+    def wait(self):
+        for req in self.reqs:
+            req.wait()
+        self.reqs = []
+
+
+def _ring_fwd(q, k, v, group):
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D], contiguous and zigzag-sharded over group.
+    -> out [B, Hq, T, D] fp32, lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ring, out, lse = _Ring(group), None, None
+    for i in range(world):
+        if i + 1 < world:
+            k_next, v_next = ring.start(k, v)
+        out, lse = _fwd_step(q, k, v, out, lse, rank, (rank - i) % world)
+        if i + 1 < world:
+            ring.wait()
+            k, v = k_next, v_next
+    return out, lse
+
+
+def _ring_bwd(dout, q, k, v, out, lse, group):
+    """dout, q, out [B, Hq, T, D], k/v [B, Hkv, T, D], lse [B, Hq, T] fp32 -> dq, dk, dv in fp32.
+    K/V go round the ring again; dK/dV buffers (fp32) go round with them, one step behind: the buffer a
+    rank holds at step i belongs to the K/V it holds, rank - i. After the last step it belongs to rank + 1,
+    so one more hop delivers every buffer, with all world contributions, to its owner."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    kv_ring, grad_ring = _Ring(group), _Ring(group)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    for i in range(world):
+        if i + 1 < world:
+            k_next, v_next = kv_ring.start(k, v)
+        cols, dk_b, dv_b = _bwd_step(dout, q, k, v, out, lse, dq, rank, (rank - i) % world)
+        if i > 0:  # the source's buffer, sent on by the previous rank after its step i - 1
+            grad_ring.wait()
+            dk, dv = dk_next, dv_next
+        dk[:, :, cols] += dk_b
+        dv[:, :, cols] += dv_b
+        if world > 1:
+            dk_next, dv_next = grad_ring.start(dk, dv)
+        if i + 1 < world:
+            kv_ring.wait()
+            k, v = k_next, v_next
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # sent as they are; kernels want it too
+        out, lse = _ring_fwd(q, k, v, group)
+        out = out.to(q.dtype)  # the backward kernels take out in their own dtype
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_bwd(dout.contiguous(), q, k, v, out, lse, ctx.group)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def ring_attention(q, k, v, group):
+    """Causal attention over a sequence zigzag-sharded (zigzag_shard, with the rank in `group`) across the
+    ranks of `group`. q [B, Hq, T, D], k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's two chunks.
+    -> [B, Hq, T, D] in q.dtype, softmax scale 1/sqrt(D). Differentiable w.r.t. q, k, v."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"want q [B, Hq, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    (b, hq, t, d), (bk, hkv, tk, dk) = q.shape, k.shape
+    if (b, t, d) != (bk, tk, dk):
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, length or head_dim")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if t % 2:
+        raise ValueError(f"local length T={t} must be even: a rank holds two equal zigzag chunks")
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        raise ValueError("q, k and v must share dtype and device")
+    if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the CUDA attention kernels take bf16 or fp16, not {q.dtype}")
+    return _RingAttention.apply(q, k, v, group)
+
+
 # ---------------------------------------------------------------------------------------------
 # FSDP2 and gradient clipping
 # ---------------------------------------------------------------------------------------------
+
+def shard_model(model, mesh, param_dtype, reduce_dtype=torch.float32):
+    """FSDP2 over every rank of `mesh`: each block is its own unit, then the root (embedding, final norm, head).
+
+    The root is not resharded after forward: it owns the head weight used by the loss at the end of forward
+    and, when tied, the embedding used at the start, so it stays gathered until its backward has run.
+    Gradients are summed, not averaged, over ranks: the loss is already divided by the global token count,
+    and ranks of one context-parallel group hold different parts of the same sequence."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for m in (*model.layers, model):
+        m.set_gradient_divide_factor(1.0)
+    return model
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
+    """Clip the global gradient norm of FSDP-sharded parameters; returns the norm before clipping (fp32).
+
+    Each rank holds disjoint shards, so the squared norms of the local shards sum to the global one."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    if dist.is_initialized():
+        dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    if max_norm > 0 and grads:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm

@@ -1,0 +1,508 @@
+"""Qwen3 (dense) for million-token training: config, RoPE with YaRN, the decoder, HF safetensors load/save,
+and per-block activation checkpoints whose saved input can live in pinned host memory.
+
+The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
+(causal SDPA on one device, the ring of parallel.py under context parallelism).
+
+    python -c "from model import *; m = Qwen3(Qwen3Config.tiny()); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
+"""
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loss import chunked_nll
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    # None (plain RoPE) or {"rope_type": "yarn", "factor", "original_max_position_embeddings", optional
+    # "attention_factor", "beta_fast", "beta_slow"}
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+    raw: dict = field(default_factory=dict, repr=False)  # the config.json as read, written back on save
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Qwen3Config":
+        """Read an HF Qwen3 config.json dict (either RoPE style); refuse what is not full-attention dense Qwen3."""
+        where = d.get("_name_or_path", "config.json")
+        if d.get("model_type") != "qwen3":
+            raise ValueError(f"{where}: model_type is {d.get('model_type')!r}; this trainer supports dense Qwen3 "
+                             "('qwen3') only (context parallelism needs full causal attention in every layer).")
+        if d.get("num_experts") or d.get("num_local_experts"):
+            raise ValueError(f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3.")
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full causal attention "
+                             "in every layer. Use a config with use_sliding_window: false.")
+        bad_layers = sorted({t for t in d.get("layer_types") or [] if t != "full_attention"})
+        if bad_layers:
+            raise ValueError(f"{where}: layer_types has {bad_layers}; only 'full_attention' layers are supported.")
+        if d.get("attention_bias"):
+            raise ValueError(f"{where}: attention_bias is true, which Qwen3 never uses; not supported.")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses 'silu').")
+        # RoPE: older configs say rope_theta + rope_scaling, newer ones rope_parameters (theta inside).
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"{where}: rope type {rope_type!r} is not supported; use 'default' or 'yarn'.")
+        scaling = None
+        if rope_type == "yarn":
+            scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "attention_factor",
+                                            "beta_fast", "beta_slow") if rope.get(k) is not None}
+            scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+        heads = d["num_attention_heads"]
+        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                   intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                   num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+                   head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   rope_theta=float(theta), rope_scaling=scaling,
+                   tie_word_embeddings=d.get("tie_word_embeddings", False),
+                   max_position_embeddings=d.get("max_position_embeddings", 40960),
+                   initializer_range=d.get("initializer_range", 0.02), raw=dict(d))
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Qwen3Config":
+        f = os.path.join(path, "config.json")
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"no config.json in {path!r}: pass a folder holding an HF Qwen3 checkpoint "
+                                    "(or only its config.json, to train from random initialisation).")
+        with open(f) as fh:
+            return cls.from_dict(json.load(fh))
+
+    @classmethod
+    def tiny(cls, **kw) -> "Qwen3Config":
+        """A small random Qwen3 for the demo and tests (vocab 257 = bytes + end-of-text)."""
+        d = dict(model_type="qwen3", vocab_size=257, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                 max_position_embeddings=4096, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+        d.update(kw)
+        return cls.from_dict(d)
+
+    def with_yarn(self, factor: float, original_max_position_embeddings: int) -> "Qwen3Config":
+        """YaRN from the command line: factor and L0 given explicitly win over the checkpoint's; theta stays."""
+        old = self.rope_scaling or {}
+        keep = {k: old[k] for k in ("beta_fast", "beta_slow") if k in old}
+        self.rope_scaling = {"factor": float(factor), "original_max_position_embeddings": int(original_max_position_embeddings),
+                             **keep}
+        return self
+
+    def to_dict(self) -> dict:
+        """config.json for save_pretrained: the original fields, with the RoPE this run trained with."""
+        d = dict(self.raw)
+        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=self.vocab_size,
+                 hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                 num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                 num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                 rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
+                 max_position_embeddings=self.max_position_embeddings, hidden_act="silu", attention_bias=False)
+        rope = {"rope_type": "yarn", **self.rope_scaling} if self.rope_scaling else {"rope_type": "default"}
+        if "rope_parameters" in d:  # keep the style the checkpoint came in
+            d["rope_parameters"] = {**rope, "rope_theta": self.rope_theta}
+        else:
+            d["rope_theta"], d["rope_scaling"] = self.rope_theta, (rope if self.rope_scaling else None)
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE (default and YaRN, arXiv:2309.00071)
+# ---------------------------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: Qwen3Config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float64) and the attention factor that scales cos and sin."""
+    d, theta = cfg.head_dim, cfg.rope_theta
+    inv_extrap = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    y = cfg.rope_scaling
+    if not y:
+        return inv_extrap, 1.0
+    s, L0 = y["factor"], y["original_max_position_embeddings"]
+    beta_fast, beta_slow = y.get("beta_fast", 32), y.get("beta_slow", 1)
+    # Frequencies that turn fewer than beta_slow times over L0 are interpolated (divided by s); those that turn
+    # more than beta_fast times are kept; a linear ramp in between.
+    low = max(math.floor(d * math.log(L0 / (2 * math.pi * beta_fast)) / (2 * math.log(theta))), 0)
+    high = min(math.ceil(d * math.log(L0 / (2 * math.pi * beta_slow)) / (2 * math.log(theta))), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = inv_extrap / s * ramp + inv_extrap * (1 - ramp)
+    attn_factor = y.get("attention_factor") or (0.1 * math.log(s) + 1.0 if s > 1 else 1.0)
+    return inv_freq, attn_factor
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attn_factor: float, dtype=torch.float32):
+    """cos, sin [B, T, head_dim] (fp32 unless asked for float64) for the positions present (never a table of max_positions x head_dim).
+
+    Angles are formed in float64: at position 1,048,576 an fp32 product pos * inv_freq is off by up to 0.06 rad.
+    """
+    ang = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)  # (B, T, d/2)
+    ang = torch.cat([ang, ang], dim=-1)                                                  # (B, T, d)
+    return (ang.cos() * attn_factor).to(dtype), (ang.sin() * attn_factor).to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, T, D]; cos/sin [B, T, D]. HF's rotate-half layout, in x's dtype (as transformers does)."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 at least
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def causal_attention(q, k, v):
+    """Default attn_fn: q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D]; GQA without repeating K/V."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.hq, self.hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.hq * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before RoPE
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn_fn):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.hq, self.hd)).transpose(1, 2)   # (B, Hq, T, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.hkv, self.hd).transpose(1, 2)               # (B, Hkv, T, D)
+        o = attn_fn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)               # (B, Hq, T, D)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.hq * self.hd))
+
+
+def _swiglu(x, w_gate, w_up, w_down):
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+class _TiledMLP(torch.autograd.Function):
+    """SwiGLU over sequence tiles, each tile's forward and backward on its own, so the four [T x intermediate]
+    tensors exist one tile at a time (at 1M tokens and intermediate 9,728 they are 76 GB whole).
+    Weight gradients are summed over tiles in fp32 and rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, tile, w_gate, w_up, w_down):
+        ctx.tile = tile
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        return torch.cat([_swiglu(xt, w_gate, w_up, w_down) for xt in x.split(tile, dim=-2)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *ws = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        dws = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in ws]
+        for xt, dyt, dxt in zip(x.split(ctx.tile, dim=-2), dy.split(ctx.tile, dim=-2), dx.split(ctx.tile, dim=-2)):
+            with torch.enable_grad():
+                xt = xt.detach().requires_grad_()
+                wt = [w.detach().requires_grad_() for w in ws]
+                grads = torch.autograd.grad(_swiglu(xt, *wt), [xt, *wt], dyt)
+            dxt.copy_(grads[0])
+            for acc, g in zip(dws, grads[1:]):
+                acc += g
+        return dx, None, *(g.to(w.dtype) for g, w in zip(dws, ws))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tile = 0  # rows per tile along the sequence; 0 = untiled
+
+    def forward(self, x):
+        ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if self.tile and x.shape[-2] > self.tile:
+            return _TiledMLP.apply(x, self.tile, *ws)
+        return _swiglu(x, *ws)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen3Config, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.checkpoint = False
+        self.offload = None  # a HostOffload shared by the blocks, or None
+
+    def body(self, x, cos, sin, attn_fn):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, x, cos, sin, attn_fn):
+        if self.checkpoint and torch.is_grad_enabled():
+            return _Checkpoint.apply(x, cos, sin, self, attn_fn)
+        return self.body(x, cos, sin, attn_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: keep only each block's input, optionally in pinned host memory
+# ---------------------------------------------------------------------------------------------
+
+class HostOffload:
+    """Keeps block inputs in pinned host memory between forward and backward.
+
+    Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: the
+    input of block i-1 is brought back while block i recomputes and runs backward. The pinned buffers are
+    reused from step to step. On CPU it still copies (so the CPU tests exercise the same code)."""
+
+    def __init__(self):
+        self.host = {}      # block index -> pinned host buffer
+        self.on_device = {}  # block index -> (tensor, event) brought back ahead of its backward
+        self.stream = None
+
+    def _side_stream(self, device):
+        if device.type == "cuda" and self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
+
+    def save(self, i, x):
+        buf = self.host.get(i)
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+            buf = self.host[i] = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
+        stream = self._side_stream(x.device)
+        if stream is None:
+            buf.copy_(x)
+            return
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            buf.copy_(x, non_blocking=True)
+        x.record_stream(stream)  # the allocator must not hand x's memory out before the copy has read it
+
+    def _fetch(self, i, device):
+        buf = self.host[i]
+        stream = self._side_stream(device)
+        if stream is None:
+            return buf.clone(), None
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            x = buf.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return x, event
+
+    def load(self, i, device):
+        x, event = self.on_device.pop(i, None) or self._fetch(i, device)
+        if i - 1 in self.host and i - 1 not in self.on_device:  # backward runs blocks in reverse order
+            self.on_device[i - 1] = self._fetch(i - 1, device)
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+            x.record_stream(torch.cuda.current_stream(device))
+        return x
+
+    def host_bytes(self):
+        return sum(b.numel() * b.element_size() for b in self.host.values())
+
+
+class _Checkpoint(torch.autograd.Function):
+    """Runs a block without keeping its activations; backward recomputes it from the saved input.
+
+    The block's parameters are not inputs of this Function: the recompute's own backward accumulates their
+    gradients (as reentrant checkpointing does), which is what FSDP2's post-backward hook then reduces."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, block, attn_fn):
+        ctx.block, ctx.attn_fn = block, attn_fn
+        with torch.no_grad():
+            y = block.body(x, cos, sin, attn_fn)
+        if block.offload is not None:
+            block.offload.save(block.index, x)
+            ctx.save_for_backward(cos, sin)
+        else:
+            ctx.save_for_backward(cos, sin, x)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        block = ctx.block
+        cos, sin, *x = ctx.saved_tensors
+        x = block.offload.load(block.index, dy.device) if block.offload is not None else x[0]
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = block.body(x, cos, sin, ctx.attn_fn)
+            torch.autograd.backward(y, dy)
+        return x.grad, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder
+# ---------------------------------------------------------------------------------------------
+
+class Qwen3(nn.Module):
+    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention):
+        super().__init__()
+        self.cfg, self.attn_fn = cfg, attn_fn
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def head_weight(self):
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_levers(self, checkpoint: bool = True, offload: bool = False, mlp_tile: int = 0):
+        """Activation checkpoint per block, its input in pinned host memory, and the MLP's sequence tile."""
+        shared = HostOffload() if offload else None
+        for b in self.layers:
+            b.checkpoint, b.offload, b.mlp.tile = checkpoint or offload, shared, mlp_tile
+        return self
+
+    def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=4096):
+        """input_ids [B, T] -> hidden [B, T, H] after the final norm; with labels [B, T], the chunked
+        (loss_sum fp32, n_valid) instead, computed here so that FSDP2 gathers the head weight once per step."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
+        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # (B, T, D) fp32
+        x = self.embed_tokens(input_ids)                                                  # (B, T, H)
+        for block in self.layers:
+            x = block(x, cos, sin, self.attn_fn)
+        h = self.norm(x)
+        if labels is None:
+            return h
+        return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
+
+    def logits(self, input_ids, position_ids=None):
+        """Full logits [B, T, V], for tests and short evaluation only."""
+        return self(input_ids, position_ids) @ self.head_weight().T
+
+    @torch.no_grad()
+    def init_weights(self, generator=None):
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    # -- HF checkpoints ----------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention):
+        path = resolve_checkpoint(path_or_hub_id)
+        cfg = Qwen3Config.from_pretrained(path)
+        with torch.device("meta"):
+            model = cls(cfg, attn_fn)
+        model.to_empty(device=device)
+        sd = load_hf_state_dict(path, model, dtype)
+        if sd is None:
+            warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation.")
+            model.init_weights()
+            return model.to(dtype)
+        model.load_state_dict(sd)
+        return model.to(dtype)
+
+    def save_pretrained(self, out_dir: str, state_dict=None, max_shard_bytes: int = 5 * 2**30):
+        save_hf_checkpoint(out_dir, self.cfg, state_dict if state_dict is not None else self.state_dict(),
+                           max_shard_bytes)
+
+
+def hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def resolve_checkpoint(path_or_hub_id: str) -> str:
+    """A local folder as is; otherwise a hub id fetched with snapshot_download (config, weights, tokenizer)."""
+    if os.path.isdir(path_or_hub_id):
+        return path_or_hub_id
+    looks_local = path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1
+    if looks_local:
+        raise FileNotFoundError(f"model {path_or_hub_id!r}: no such folder, and not a hub id of the form "
+                                "'org/name'. Pass a folder with config.json (+ *.safetensors) or e.g. Qwen/Qwen3-8B.")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(path_or_hub_id, allow_patterns=["config.json", "*.safetensors", "*.json",
+                                                                 "tokenizer*", "*.txt"])
+    except Exception as e:  # network, auth, missing repo: all end the same way for the user
+        raise RuntimeError(f"could not download {path_or_hub_id!r} from the Hugging Face hub ({type(e).__name__}: "
+                           f"{e}). Check the network and HF_TOKEN, or download it elsewhere and pass the local "
+                           "folder with --model.") from e
+
+
+def load_hf_state_dict(path: str, model: nn.Module, dtype) -> dict | None:
+    """Our parameter names -> tensors from (possibly sharded) safetensors; None when the folder has none."""
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        return None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+    tensors = {}
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as st:
+            for k in st.keys():
+                tensors[k] = st.get_tensor(k)
+    want = {n: hf_name(n) for n in model.state_dict()}
+    missing = sorted(h for h in want.values() if h not in tensors)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    extra = sorted(set(tensors) - set(want.values()) - {"lm_head.weight"})  # tied models may still carry a head
+    if extra:
+        raise ValueError(f"{path}: checkpoint has weights this Qwen3 does not, e.g. {extra[:3]}")
+    return {n: tensors[h].to(dtype) for n, h in want.items()}
+
+
+def save_hf_checkpoint(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int):
+    """config.json + safetensors shards (+ index when sharded) that transformers loads as Qwen3ForCausalLM."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {hf_name(n): t.detach().contiguous().cpu() for n, t in state_dict.items()}
+    shards, size = [{}], 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k], size = t, size + nbytes
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+            json.dump(index, fh, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump({**cfg.to_dict(), "torch_dtype": dtype, "dtype": dtype}, fh, indent=2)

@@ -1,0 +1,304 @@
+"""model.py against oracles written here: RoPE/YaRN from the formulas in float64, a naive Qwen3 forward,
+transformers' Qwen3ForCausalLM on the same checkpoint, checkpoint/offload/tiled-MLP parity, HF load/save."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as M
+from model import Qwen3, Qwen3Config, rope_cos_sin, rope_inv_freq
+
+
+def tiny(**kw):
+    d = dict(vocab_size=97, hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=5,
+             num_key_value_heads=5, head_dim=8, rope_theta=10000.0)
+    d.update(kw)
+    return Qwen3Config.tiny(**d)
+
+
+def random_model(cfg, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    m = Qwen3(cfg).to(dtype)
+    m.init_weights()
+    with torch.no_grad():  # norms away from 1 so that a missing norm weight would show
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return m
+
+
+# --- RoPE / YaRN --------------------------------------------------------------------------------
+
+def yarn_oracle(d, theta, s, L0, beta_fast=32.0, beta_slow=1.0):
+    """YaRN (Peng et al. 2023, as implemented for Qwen): element by element in Python floats."""
+    def dim_for_rotations(n):  # the rotary dimension whose wavelength fits n times into L0
+        return d * math.log(L0 / (n * 2 * math.pi)) / (2 * math.log(theta))
+    low = max(math.floor(dim_for_rotations(beta_fast)), 0)
+    high = min(math.ceil(dim_for_rotations(beta_slow)), d - 1)
+    out = []
+    for i in range(d // 2):
+        extrap = 1.0 / theta ** (2 * i / d)
+        gamma = min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(extrap / s * gamma + extrap * (1 - gamma))
+    return torch.tensor(out, dtype=torch.float64), 0.1 * math.log(s) + 1
+
+
+@pytest.mark.parametrize("d,theta,s,L0", [(128, 1e6, 32.0, 32768), (16, 1e4, 4.0, 512), (64, 5e5, 8.0, 4096)])
+def test_yarn_matches_formula(d, theta, s, L0):
+    cfg = tiny(head_dim=d, rope_theta=theta).with_yarn(s, L0)
+    inv, factor = rope_inv_freq(cfg)
+    ref_inv, ref_factor = yarn_oracle(d, theta, s, L0)
+    torch.testing.assert_close(inv, ref_inv, rtol=1e-14, atol=0)
+    assert factor == pytest.approx(ref_factor)
+    # The paper's boundary behaviour: fast-turning frequencies kept, slow ones interpolated by s.
+    base = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    fast, slow = L0 * base / (2 * math.pi) > 32, L0 * base / (2 * math.pi) < 1
+    torch.testing.assert_close(inv[fast], base[fast])
+    torch.testing.assert_close(inv[slow], base[slow] / s)
+    assert fast.any() and slow.any()
+
+
+def test_rope_cos_sin_at_a_million_positions():
+    cfg = tiny(head_dim=128, rope_theta=1e6).with_yarn(32.0, 32768)
+    pos = torch.tensor([[0, 1, 32767, 500_000, 1_048_575]])
+    cos, sin = rope_cos_sin(pos, *rope_inv_freq(cfg))
+    inv, factor = yarn_oracle(128, 1e6, 32.0, 32768)
+    ang = torch.tensor([[p * f for f in inv.tolist()] for p in pos[0].tolist()], dtype=torch.float64)
+    ang = torch.cat([ang, ang], -1)
+    assert cos.dtype == torch.float32 and cos.shape == (1, 5, 128)
+    torch.testing.assert_close(cos[0].double(), ang.cos() * factor, atol=2e-7, rtol=0)
+    torch.testing.assert_close(sin[0].double(), ang.sin() * factor, atol=2e-7, rtol=0)
+
+
+def test_default_rope_has_no_scaling():
+    inv, factor = rope_inv_freq(tiny(head_dim=16, rope_theta=1e4))
+    torch.testing.assert_close(inv, torch.tensor([1e4 ** (-2 * i / 16) for i in range(8)], dtype=torch.float64))
+    assert factor == 1.0
+
+
+# --- the model against a naive forward -------------------------------------------------------
+
+def naive_forward(m, ids, pos):
+    """Qwen3 written out with explicit masks, repeated K/V and complex-number RoPE."""
+    cfg, sd = m.cfg, {k: v.double() for k, v in m.state_dict().items()}
+    inv, factor = yarn_oracle(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling["factor"],
+                              cfg.rope_scaling["original_max_position_embeddings"]) if cfg.rope_scaling else \
+        (torch.tensor([cfg.rope_theta ** (-2 * i / cfg.head_dim) for i in range(cfg.head_dim // 2)],
+                      dtype=torch.float64), 1.0)
+    rot = torch.polar(torch.full((len(pos), len(inv)), factor, dtype=torch.float64), pos[:, None].double() * inv)
+
+    def rope(x):  # x (T, H, D): pairs (j, j + D/2) are the real and imaginary parts
+        half = x.shape[-1] // 2
+        z = torch.complex(x[..., :half], x[..., half:]) * rot[:, None, :]
+        return torch.cat([z.real, z.imag], -1)
+
+    def norm(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+    T, D, Hq, Hkv = len(ids), cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    x = sd["embed_tokens.weight"][ids]
+    mask = pos[:, None] >= pos[None, :]
+    for i in range(cfg.num_hidden_layers):
+        p = lambda n: sd[f"layers.{i}.{n}.weight"]  # noqa: E731
+        h = norm(x, p("input_layernorm"))
+        q = rope(norm((h @ p("self_attn.q_proj").T).view(T, Hq, D), p("self_attn.q_norm")))
+        k = rope(norm((h @ p("self_attn.k_proj").T).view(T, Hkv, D), p("self_attn.k_norm")))
+        v = (h @ p("self_attn.v_proj").T).view(T, Hkv, D)
+        k, v = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+        att = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        o = torch.einsum("hts,shd->thd", att, v).reshape(T, Hq * D)
+        x = x + o @ p("self_attn.o_proj").T
+        h = norm(x, p("post_attention_layernorm"))
+        x = x + (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+    x = norm(x, sd["norm.weight"])
+    head = sd["embed_tokens.weight"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("kv,yarn,tied", [(5, False, False), (1, True, True)])
+def test_model_matches_naive_forward(kv, yarn, tied):
+    cfg = tiny(num_key_value_heads=kv, tie_word_embeddings=tied)
+    if yarn:
+        cfg.with_yarn(4.0, 16)
+    m = random_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 23))
+    pos = torch.arange(23)
+    ref = torch.stack([naive_forward(m, ids[b], pos) for b in range(2)])
+    torch.testing.assert_close(m.logits(ids), ref, rtol=1e-10, atol=1e-10)
+    # Non-contiguous positions (as a zigzag shard has) change only the RoPE angles.
+    zpos = torch.cat([torch.arange(0, 7), torch.arange(30, 37)])
+    ref = torch.stack([naive_forward(m, ids[b, :14], zpos) for b in range(2)])
+    torch.testing.assert_close(m.logits(ids[:, :14], zpos.expand(2, 14)), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_loss_inside_forward_equals_cross_entropy():
+    m = random_model(tiny())
+    ids = torch.randint(0, 97, (1, 31))
+    labels = torch.randint(0, 97, (1, 31))
+    labels[0, :3] = -100
+    s, n = m(ids, labels=labels, loss_chunk=8)
+    ref = F.cross_entropy(m.logits(ids)[0], labels[0], reduction="sum", ignore_index=-100)
+    torch.testing.assert_close(s.double(), ref, rtol=1e-6, atol=1e-6)
+    assert int(n) == 28
+
+
+# --- levers: same loss and gradients with each on and off -----------------------------------
+
+def loss_and_grads(m, ids, labels):
+    m.zero_grad(set_to_none=True)
+    s, _ = m(ids, labels=labels, loss_chunk=16)
+    s.backward()
+    return s.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("levers", [dict(checkpoint=True), dict(offload=True), dict(mlp_tile=7),
+                                    dict(checkpoint=True, offload=True, mlp_tile=5)])
+def test_levers_keep_loss_and_gradients(levers):
+    # float64, so that only a change of the math (not of summation order) could fail this
+    m = random_model(tiny(num_key_value_heads=1), dtype=torch.float64)
+    ids, labels = torch.randint(0, 97, (2, 33)), torch.randint(0, 97, (2, 33))
+    ref_loss, ref_grads = loss_and_grads(m.set_levers(checkpoint=False), ids, labels)
+    loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+    if levers.get("offload"):
+        assert m.layers[0].offload.host_bytes() == 3 * 2 * 33 * 40 * 8  # one block input per layer kept
+
+
+def test_checkpoint_keeps_only_block_inputs():
+    """Saved-tensor bytes: with checkpointing the graph holds one [B, T, H] input per block (+ cos/sin)."""
+    m = random_model(tiny(), dtype=torch.float32)
+    ids = torch.randint(0, 97, (1, 64))
+
+    def saved_bytes(model):
+        total = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            model(ids).sum()
+        return sum(total)
+    full = saved_bytes(m.set_levers(checkpoint=False))
+    ckpt = saved_bytes(m.set_levers(checkpoint=True))
+    # checkpoint saves x (64x40 fp32) + cos + sin (64x8 fp32) per block; the final norm saves its own
+    assert ckpt < full / 4, (ckpt, full)
+
+
+# --- HF checkpoints ---------------------------------------------------------------------------
+
+def hf_config(style, **kw):
+    d = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=97, hidden_size=40,
+             intermediate_size=72, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False, hidden_act="silu",
+             attention_bias=False, use_sliding_window=False, sliding_window=None, torch_dtype="bfloat16")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    if style == "old":
+        d.update(rope_theta=10000.0, rope_scaling=yarn)
+    else:
+        d.update(rope_parameters={**yarn, "rope_theta": 10000.0})
+    d.update(kw)
+    return d
+
+
+def write_checkpoint(tmp_path, style, dtype=torch.bfloat16, shard_bytes=10**9, **kw):
+    from safetensors.torch import save_file
+    d = hf_config(style, **kw)
+    cfg = Qwen3Config.from_dict(d)
+    m = random_model(cfg, dtype=torch.float32)
+    os.makedirs(tmp_path, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    save_file({M.hf_name(k): v.to(dtype).contiguous() for k, v in m.state_dict().items()},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    return m
+
+
+@pytest.mark.parametrize("style", ["old", "new"])
+def test_load_both_config_styles(tmp_path, style):
+    src = write_checkpoint(tmp_path, style)
+    m = Qwen3.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert m.cfg.rope_theta == 10000.0
+    assert m.cfg.rope_scaling["factor"] == 4.0 and m.cfg.rope_scaling["original_max_position_embeddings"] == 512
+    for k, v in src.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v.to(torch.bfloat16)), k
+
+
+@pytest.mark.parametrize("shard_bytes", [10**9, 20_000])
+def test_save_load_round_trip_is_bit_exact(tmp_path, shard_bytes):
+    write_checkpoint(tmp_path / "a", "new")
+    m = Qwen3.from_pretrained(str(tmp_path / "a"), dtype=torch.bfloat16)
+    m.save_pretrained(str(tmp_path / "b"), max_shard_bytes=shard_bytes)
+    files = os.listdir(tmp_path / "b")
+    assert ("model.safetensors.index.json" in files) == (shard_bytes < 10**9)
+    m2 = Qwen3.from_pretrained(str(tmp_path / "b"), dtype=torch.bfloat16)
+    for k, v in m.state_dict().items():
+        assert torch.equal(m2.state_dict()[k], v), k
+    assert m2.cfg.rope_scaling == m.cfg.rope_scaling and m2.cfg.rope_theta == m.cfg.rope_theta
+
+
+def test_saved_checkpoint_loads_in_transformers(tmp_path):
+    """The independent reference: transformers' own Qwen3 on our saved folder gives our logits."""
+    transformers = pytest.importorskip("transformers")
+    write_checkpoint(tmp_path / "a", "old")
+    m = Qwen3.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
+    m.cfg.with_yarn(8.0, 256)  # a run's YaRN settings must travel with the weights
+    m.save_pretrained(str(tmp_path / "b"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    ids = torch.randint(0, 97, (1, 300))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    # transformers forms RoPE angles in fp32; we form them in float64 (see rope_cos_sin)
+    torch.testing.assert_close(m.logits(ids).detach(), ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(model_type="qwen3_moe"), "model_type"),
+    (dict(use_sliding_window=True, sliding_window=4096), "sliding"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (dict(num_experts=8), "mixture-of-experts"),
+])
+def test_refuses_configs_that_are_not_full_attention_qwen3(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Qwen3Config.from_dict(hf_config("old", **kw))
+
+
+def test_missing_files_and_weights_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        Qwen3.from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Qwen3Config.from_pretrained(str(tmp_path))
+    from safetensors.torch import save_file
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("old")))
+    save_file({"model.embed_tokens.weight": torch.zeros(97, 40)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks"):
+        Qwen3.from_pretrained(str(tmp_path))
+
+
+def test_config_only_folder_is_random_init_with_warning(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("new")))
+    with pytest.warns(UserWarning, match="random initialisation"):
+        m = Qwen3.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert m.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.2)
+
+
+def test_hub_download_path(monkeypatch, tmp_path):
+    import huggingface_hub
+    write_checkpoint(tmp_path, "new")
+    calls = []
+
+    def fake_snapshot(repo_id, allow_patterns):  # stands in for the network only; loading is real
+        calls.append((repo_id, allow_patterns))
+        return str(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    m = Qwen3.from_pretrained("Qwen/Qwen3-Tiny", dtype=torch.float32)
+    assert calls[0][0] == "Qwen/Qwen3-Tiny" and "*.safetensors" in calls[0][1] and "config.json" in calls[0][1]
+    assert m.cfg.vocab_size == 97
+
+    def offline(repo_id, allow_patterns):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("connection refused")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(RuntimeError, match="could not download 'Qwen/Qwen3-Tiny'.*--model"):
+        Qwen3.from_pretrained("Qwen/Qwen3-Tiny")

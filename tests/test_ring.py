@@ -1,0 +1,180 @@
+"""Zigzag sharding and ring attention (parallel.py) against a naive fp64 oracle, on CPU under gloo.
+
+    python -m pytest tests/test_ring.py -q
+
+Each world size spawns its ranks once; every rank shards the same full inputs, runs the ring forward and
+backward for all CASES, and saves its shards; the parent gathers them and compares with the oracle.
+"""
+import math
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import parallel
+from parallel import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+
+# (batch, q heads, kv heads, chunk length, head_dim); the total length is 2 * world * chunk
+CASES = [
+    (2, 5, 5, 7, 16),  # MHA with 5 heads, odd chunks
+    (2, 8, 2, 7, 16),  # GQA 4:1
+    (2, 8, 1, 3, 16),  # GQA 8:1
+]
+
+
+def naive_causal_attention(q, k, v):
+    """q [B, Hq, L, D], k/v [B, Hkv, L, D]: the full [L x L] scores with an explicit mask."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    return scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+
+def make_inputs(case, world):
+    b, hq, hkv, chunk, d = case
+    seq = 2 * world * chunk
+    gen = torch.Generator().manual_seed(1234)
+    shapes = [(b, hq, seq, d), (b, hkv, seq, d), (b, hkv, seq, d), (b, hq, seq, d)]
+    return [torch.randn(s, generator=gen) for s in shapes]  # q, k, v, grad_out
+
+
+# --- the ranks ---
+
+def _record_blocks(calls):
+    """Wrap the kernel pair so that each call's (kind, query rows, key rows, causal) is recorded."""
+    fwd, bwd = parallel._attn_fwd, parallel._attn_bwd
+
+    def rec_fwd(q, k, v, causal):
+        calls.append(("fwd", q.shape[2], k.shape[2], causal))
+        return fwd(q, k, v, causal)
+
+    def rec_bwd(dout, q, k, v, out, lse, causal):
+        calls.append(("bwd", q.shape[2], k.shape[2], causal))
+        return bwd(dout, q, k, v, out, lse, causal)
+
+    parallel._attn_fwd, parallel._attn_bwd = rec_fwd, rec_bwd
+
+
+def _rank_main(rank, world, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results, calls = [], []
+        _record_blocks(calls)
+        for case in CASES:
+            calls.clear()
+            q, k, v, dout = (zigzag_shard(x, 2, rank, world) for x in make_inputs(case, world))
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            out = ring_attention(q, k, v, dist.group.WORLD)
+            out.backward(dout)
+            results.append(dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, calls=list(calls)))
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world, out_dir, timeout=120):
+    """Spawn world ranks; a failing rank fails the test with its traceback, a hung one with a timeout."""
+    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out_dir)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(max(deadline - time.monotonic(), 0)):  # True once all ranks have exited
+            if time.monotonic() >= deadline:
+                pytest.fail(f"ranks of world {world} did not finish within {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
+
+
+# --- the tests ---
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ring_attention_matches_oracle(world, tmp_path):
+    ranks = run_ranks(world, tmp_path)
+    for i, case in enumerate(CASES):
+        q, k, v, dout = (x.double().requires_grad_() for x in make_inputs(case, world))
+        out = naive_causal_attention(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        want = dict(out=out, dq=dq, dk=dk, dv=dv)
+        for name, ref in want.items():
+            got = zigzag_unshard([r[i][name] for r in ranks], 2)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), ref.detach(), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name}, case {case}, world {world}: {m}")
+
+        # Equal work at every step of every rank: the same number of query-key pairs under the mask
+        # (a causal square block counts half its area, as in the causal FLOP formula), world calls each way.
+        b, hq, hkv, chunk, d = case
+        t = 2 * chunk
+        for kind in ("fwd", "bwd"):
+            per_rank = [[c for c in r[i]["calls"] if c[0] == kind] for r in ranks]
+            assert all(len(calls) == world for calls in per_rank)
+            work = {tq * tk / (2 if causal else 1) for calls in per_rank for _, tq, tk, causal in calls}
+            assert work == {t * t / 2}, (kind, per_rank)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_schedule_covers_causal_mask_once(world):
+    """The blocks of all ranks and steps, placed at their global positions, tile the causal mask exactly."""
+    chunk = 3
+    seq, t = 2 * world * chunk, 2 * chunk
+    covered = torch.zeros(seq, seq, dtype=torch.int64)
+    for rank in range(world):
+        q_pos = zigzag_positions(seq, rank, world)
+        for step in range(world):
+            src = (rank - step) % world
+            rows, cols, causal = parallel._block(rank, src, t)
+            qp, kp = q_pos[rows], zigzag_positions(seq, src, world)[cols]
+            block = torch.ones(len(qp), len(kp), dtype=torch.int64)
+            if causal:  # the kernels' causal mask: local query i sees local keys 0..i
+                block = block.tril()
+            covered[qp[:, None], kp[None, :]] += block
+    torch.testing.assert_close(covered, torch.ones(seq, seq, dtype=torch.int64).tril())
+
+
+def test_zigzag_round_trip_and_positions():
+    x = torch.randn(3, 5, 84, 2)  # 84 = 2*cp * (42, 21, 14) for cp 1, 2, 3
+    for world in (1, 2, 3):
+        shards = [zigzag_shard(x, 2, r, world) for r in range(world)]
+        assert all(s.shape == (3, 5, 84 // world, 2) and s.is_contiguous() for s in shards)
+        torch.testing.assert_close(zigzag_unshard(shards, 2), x, atol=0, rtol=0)
+        for r in range(world):
+            pos = zigzag_positions(x.shape[2], r, world)
+            assert pos.dtype == torch.int64
+            torch.testing.assert_close(pos, zigzag_shard(torch.arange(x.shape[2]), 0, r, world))
+            torch.testing.assert_close(shards[r], x[:, :, pos], atol=0, rtol=0)
+    # world 2, 8 tokens: chunks of 2, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert zigzag_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="divisible by 2\\*cp=8"):
+        zigzag_shard(torch.zeros(1, 12), 1, 0, 4)
+    with pytest.raises(ValueError, match="divisible by 2\\*cp=4"):
+        zigzag_positions(10, 0, 2)
+    q, kv = torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8)
+    bad = {
+        "must be even": (torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)),
+        "multiple of key/value heads": (torch.zeros(1, 5, 6, 8), kv, kv),
+        "differ in batch, length or head_dim": (q, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)),
+        "want q": (q, kv, torch.zeros(1, 2, 6, 4)),
+        "dtype": (q, kv.double(), kv.double()),
+    }
+    for message, (q_, k_, v_) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            ring_attention(q_, k_, v_, None)  # checked before the group is touched

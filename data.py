@@ -60,8 +60,7 @@ class HFTokenizer:
         self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
         # Can be smaller than the model's embedding table (Qwen3: 151,669 vs 151,936 rows); ids stay in range.
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        ids = [self.tokenizer.token_to_id(t) for t in self.EOS_CANDIDATES]
-        ids = [i for i in ids if i is not None]
+        ids = [i for i in map(self.tokenizer.token_to_id, self.EOS_CANDIDATES) if i is not None]
         if not ids:
             raise ValueError(f"tokenizer {path} has none of the end-of-text tokens {list(self.EOS_CANDIDATES)}, "
                              "which separate books in the stream; use the tokenizer.json of the model you train")
@@ -259,12 +258,9 @@ class WindowLoader:
 
     def __init__(self, books: Callable[[int], Iterator[tuple[int, str]]], tokenizer, seq_len: int,
                  dp_rank: int = 0, dp_size: int = 1, prefetch: int = 4):
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if seq_len < 1 or prefetch < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need seq_len >= 1, prefetch >= 1 and 0 <= dp_rank < dp_size; got seq_len={seq_len}, "
+                             f"prefetch={prefetch}, dp_rank={dp_rank}, dp_size={dp_size}")
         self.books, self.tokenizer, self.seq_len = books, tokenizer, seq_len
         self.dp_rank, self.dp_size, self.prefetch = dp_rank, dp_size, prefetch
         self._state = {"book": 0, "offset": 0, "window": 0}  # what has been consumed, not what was prefetched
@@ -310,12 +306,6 @@ class WindowLoader:
             self._thread.join(timeout=1.0)  # a thread stuck in a network read is a daemon: it dies with us
             self._thread = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def _start(self):
         # Queue and event go to the thread as arguments, so a closed thread can never feed a restarted loader.
         self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
@@ -324,7 +314,7 @@ class WindowLoader:
         self._thread.start()
 
     def _produce(self, start, out, stop):
-        def put(item):
+        def put(item):  # waits for room in the queue, but gives up as soon as close() asks
             while not stop.is_set():
                 try:
                     out.put(item, timeout=0.1)
@@ -375,17 +365,17 @@ class WindowLoader:
                              "tokens are needed")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # print what the loader makes of a source: tokens, book ends, time, state
     import argparse
-    parser = argparse.ArgumentParser(description="Print the first windows the loader makes of a data source.")
-    parser.add_argument("source", nargs="?", default="synthetic", help="synthetic | pg19 | a local path")
-    parser.add_argument("--tokenizer", default="byte", help="byte | a tokenizer.json | a model folder")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("source", nargs="?", default="synthetic")  # synthetic | pg19 | a local path
+    parser.add_argument("--tokenizer", default="byte")  # byte | a tokenizer.json | a model folder
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--windows", type=int, default=3)
-    args = parser.parse_args()
+    args, t0 = parser.parse_args(), time.perf_counter()
     tok = load_tokenizer(args.tokenizer)
-    t0 = time.perf_counter()
-    with WindowLoader(lambda b: iter_books(args.source, start_book=b), tok, args.seq_len) as loader:
-        for _, w in zip(range(args.windows), loader):
-            print(f"{w.numel()} tokens, {int((w == tok.eos_id).sum())} book ends, {time.perf_counter() - t0:.2f} s, "
-                  f"state {loader.state_dict()}")
+    loader = WindowLoader(lambda b: iter_books(args.source, start_book=b), tok, args.seq_len)
+    for _, w in zip(range(args.windows), loader):
+        print(f"{w.numel()} tokens, {int((w == tok.eos_id).sum())} book ends, {time.perf_counter() - t0:.2f} s, "
+              f"state {loader.state_dict()}")
+    loader.close()

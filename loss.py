@@ -33,6 +33,24 @@ def _addmm_fp32_(acc, a, b):
         acc.addmm_(a.float(), b.float())
 
 
+def _nll_and_dlogits(x, y, grad_dtype):
+    """Summed -log softmax(x)[y], and dlogits = softmax(x) - onehot(y) in grad_dtype, all math in fp32.
+
+    x [c, V] fp32 logits, y [c, 1] targets -> (loss fp32 scalar, dlogits [c, V] grad_dtype). Written as plain
+    formulas so that on CUDA torch.compile fuses them: one kernel reads x twice and writes bf16 dlogits,
+    2.7 ms for 4,096 x 151,936 on an H200 where the same ops one by one take 6.8 ms.
+    """
+    m = x.amax(1, keepdim=True)                                                                 # [c, 1]
+    e = torch.exp(x - m)                                                                        # [c, V]
+    s = e.sum(1, keepdim=True)                                                                  # [c, 1]
+    loss = (m + s.log() - x.gather(1, y)).sum()  # -log softmax = logsumexp - x[y]
+    onehot = (torch.arange(x.shape[1], device=x.device) == y).to(x.dtype)                       # [c, V]
+    return loss, (e / s - onehot).to(grad_dtype)
+
+
+_nll_and_dlogits_cuda = torch.compile(_nll_and_dlogits, dynamic=True)  # dynamic: the last chunk is shorter
+
+
 class _ChunkedNLL(torch.autograd.Function):
     """Forward returns the summed NLL and keeps its gradients; backward scales them by grad_output."""
 
@@ -47,23 +65,18 @@ class _ChunkedNLL(torch.autograd.Function):
             idx, y = rows[start:start + chunk_size], targets[start:start + chunk_size, None]    # [c], [c, 1]
             h = hidden.index_select(0, idx)                                                     # [c, H]
             x = _mm_fp32(h, weight.T)                                                           # [c, V] fp32
-            # Softmax in place on the fp32 logits: one [c, V] fp32 buffer, not one per step of the formula.
-            target_logit = x.gather(1, y)                                                       # [c, 1]
-            m = x.amax(1, keepdim=True)                                                         # [c, 1]
-            e = x.sub_(m).exp_()                                                                # [c, V] = exp(x - m)
-            s = e.sum(1, keepdim=True)                                                          # [c, 1]
-            loss += (m + s.log() - target_logit).sum()  # -log softmax = logsumexp - x[y]
-            if not (need_dh or need_dw):
+            if not (need_dh or need_dw):  # evaluation: the loss alone
+                loss += (torch.logsumexp(x, 1) - x.gather(1, y).squeeze(1)).sum()
                 continue
-            # dlogits = softmax - onehot = (e - s * onehot) / s: subtract at the targets only (c elements),
-            # then divide and cast to the matmul dtype in one pass, written straight into the [c, V] bf16 buffer.
-            e.scatter_add_(1, y, -s)
-            g = e.div_(s) if e.dtype == hidden.dtype else torch.div(e, s, out=torch.empty_like(e, dtype=hidden.dtype))
-            del x, e                                                                            # g: [c, V]
+            nll = _nll_and_dlogits_cuda if x.is_cuda else _nll_and_dlogits
+            chunk_loss, g = nll(x, y, hidden.dtype)                                             # g: [c, V]
+            loss += chunk_loss
+            del x  # free the fp32 logits before the matmuls: the chunk peak is 6 B per [c, V] element
             if need_dh:
                 dh.index_copy_(0, idx, g @ weight)                                              # [c, H]
             if need_dw:
                 _addmm_fp32_(dw, g.T, h)                                                        # [V, H] += [V, c] @ [c, H]
+            del g  # else it lives on while the next chunk's logits are made: 8 B per [c, V] element, not 6
         # grad_weight stays fp32 until backward, where it is scaled (by 1 / token count, say) and rounded to
         # bf16 once: rounding per chunk would add rows / chunk_size roundings, and rounding before the
         # scaling one more (measured: 2.5e-3 relative error instead of 1.7e-3 for the naive path).

@@ -178,6 +178,9 @@ def _ring_bwd(dout, q, k, v, out, lse, group):
         if i + 1 < world:
             kv_ring.wait()
             k, v = k_next, v_next
+    if world > 1:
+        grad_ring.wait()
+        dk, dv = dk_next, dv_next
     return dq, dk, dv
 
 
@@ -237,6 +240,7 @@ def shard_model(model, mesh, param_dtype, reduce_dtype=torch.float32):
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     for m in (*model.layers, model):
         m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM, and 1.0 needs none
     return model
 
 

@@ -118,9 +118,10 @@ def test_windows_are_the_stream_cut_exactly(pg19, seq_len):
     for w in windows:
         assert w.dtype == torch.int64 and w.shape == (n,)
     torch.testing.assert_close(torch.cat(windows), stream[: len(windows) * n], rtol=0, atol=0)
-    # Books are separated by eos: as many eos in the windows as books that ended inside them.
-    ends = (stream == 256).nonzero().flatten()
-    assert int((torch.cat(windows) == 256).sum()) == int((ends < len(windows) * n).sum())
+    # Books are separated by eos: it sits exactly where each book's bytes end, counted book by book.
+    ends = list(itertools.accumulate(len(b.encode("utf-8")) + 1 for b in BOOKS))
+    eos_at = (torch.cat(windows) == 256).nonzero().flatten().tolist()
+    assert eos_at == [e - 1 for e in ends if e <= len(windows) * n]
 
 
 def test_windows_with_a_tokenizer_json(tmp_path, pg19):
@@ -235,6 +236,16 @@ def test_data_parallel_ranks_take_interleaved_windows(pg19):
     take(one, 6)
     assert states[0] == states[1] == one.state_dict()
     one.close()
+    # A run may resume on another number of ranks: after 3 windows of a 1-rank run, two ranks take 3, 5 / 4, 6.
+    one = data.WindowLoader(books_of(pg19), tok, 30)
+    take(one, 3)
+    state = one.state_dict()
+    one.close()
+    for rank in range(2):
+        loader = data.WindowLoader(books_of(pg19), tok, 30, rank, 2)
+        loader.load_state_dict(state)
+        assert all(torch.equal(w, single[3 + rank + 2 * k]) for k, w in enumerate(take(loader, 2)))
+        loader.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,3 +399,13 @@ def test_hub_listing_filters_the_split_and_retries():
     with pytest.raises(ValueError, match="no parquet files of split 'dev'"):
         data.list_hub_parquet(FlakyFS(fail=()), "someone/pg19", split="dev")
     assert data.DEFAULT_PG19_REPO == "emozilla/pg19"
+
+
+def test_pg19_source_streams_through_the_hub_file_system(pg19, monkeypatch):
+    class FakeHub(LocalFileSystem):  # the hub's layout, served from the local stand-in file
+        def glob(self, pattern, **kw):
+            assert pattern == "datasets/emozilla/pg19@main/**/*.parquet"
+            return [str(pg19), str(pg19).replace("train-", "test-")]
+
+    monkeypatch.setattr(data, "HfFileSystem", FakeHub)
+    assert list(data.iter_books("pg19", start_book=2)) == list(enumerate(BOOKS))[2:]

@@ -422,7 +422,7 @@ class Qwen3(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, attn_fn)
         model.to_empty(device=device)
-        sd = load_hf_state_dict(path, model, dtype)
+        sd = load_hf_state_dict(path, list(model.state_dict()), dtype)
         if sd is None:
             warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation.")
             model.init_weights()
@@ -452,12 +452,12 @@ def resolve_checkpoint(path_or_hub_id: str) -> str:
         return snapshot_download(path_or_hub_id, allow_patterns=["config.json", "*.safetensors", "*.json",
                                                                  "tokenizer*", "*.txt"])
     except Exception as e:  # network, auth, missing repo: all end the same way for the user
-        raise RuntimeError(f"could not download {path_or_hub_id!r} from the Hugging Face hub ({type(e).__name__}: "
+        raise ConnectionError(f"could not download {path_or_hub_id!r} from the Hugging Face hub ({type(e).__name__}: "
                            f"{e}). Check the network and HF_TOKEN, or download it elsewhere and pass the local "
                            "folder with --model.") from e
 
 
-def load_hf_state_dict(path: str, model: nn.Module, dtype) -> dict | None:
+def load_hf_state_dict(path: str, names: list[str], dtype) -> dict | None:
     """Our parameter names -> tensors from (possibly sharded) safetensors; None when the folder has none."""
     from safetensors import safe_open
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -472,7 +472,7 @@ def load_hf_state_dict(path: str, model: nn.Module, dtype) -> dict | None:
         with safe_open(os.path.join(path, f), framework="pt") as st:
             for k in st.keys():
                 tensors[k] = st.get_tensor(k)
-    want = {n: hf_name(n) for n in model.state_dict()}
+    want = {n: hf_name(n) for n in names}
     missing = sorted(h for h in want.values() if h not in tensors)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")

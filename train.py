@@ -126,19 +126,18 @@ def check_config(cfg: TrainConfig, world: int):
 
 
 def on_rank0(fn, group=None):
-    """Run fn on rank 0 only and share whether it failed, so that the other ranks raise too instead of
-    waiting forever in the next collective."""
-    result, error = None, None
+    """Run fn on rank 0 only and give every rank its result, or its error: the other ranks then stop too
+    instead of waiting forever in the next collective."""
+    msg = [None, None]
     if dist.get_rank() == 0:
         try:
-            result = fn()
+            msg[0] = fn()
         except Exception as e:  # reported on every rank below
-            error = f"{type(e).__name__}: {e}"
-    msg = [error]
+            msg[1] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(msg, src=0, group=group)
-    if msg[0] is not None:
-        raise SystemExit(f"error (on rank 0): {msg[0]}")
-    return result
+    if msg[1] is not None:
+        raise SystemExit(f"error (on rank 0): {msg[1]}")
+    return msg[0]
 
 
 def all_ok(ok: bool, what: str, device):
@@ -167,21 +166,21 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from model import Qwen3, Qwen3Config, load_hf_state_dict, resolve_checkpoint
     from parallel import shard_model
-    path = None if cfg.model == "tiny" else on_rank0(lambda: resolve_checkpoint(cfg.model))
-    if path is not None:  # every rank reads config.json (rank 0 downloaded it; on a shared disk or one node)
-        dist.barrier()
-        path = resolve_checkpoint(cfg.model) if dist.get_rank() != 0 else path
+    path = None if cfg.model == "tiny" else on_rank0(lambda: resolve_checkpoint(cfg.model))  # downloads once
+    if path is not None and not os.path.isdir(path):  # another node without rank 0's disk: its own copy
+        path = resolve_checkpoint(cfg.model)
     mcfg = Qwen3Config.tiny() if path is None else Qwen3Config.from_pretrained(path)
     if cfg.yarn_factor:
         mcfg.with_yarn(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
     with torch.device("meta"):
         model = Qwen3(mcfg, attn_fn).to(dtype)
+    names = list(model.state_dict())  # before sharding: reading an FSDP module's state dict is collective
     model.set_levers(checkpoint=cfg.checkpoint, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0)
     shard_model(model, mesh, param_dtype=dtype)
     model.to_empty(device=device)
 
     def full_state_dict():
-        sd = load_hf_state_dict(path, model, dtype) if path else None
+        sd = load_hf_state_dict(path, names, dtype) if path else None
         if sd is None:  # same draw for any world size: the cp-equivalence of runs depends on it
             if path:
                 warnings.warn(f"{path} has no *.safetensors: training from random initialisation")
@@ -190,10 +189,10 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
             ref.init_weights(torch.Generator(device).manual_seed(cfg.seed))
             sd = ref.state_dict()
         return sd
-    sd = on_rank0(full_state_dict)
-    set_model_state_dict(model, sd if dist.get_rank() == 0 else {},
+    held = {}  # rank 0 keeps the full weights; only the error, if any, is shared
+    on_rank0(lambda: held.update(sd=full_state_dict()))
+    set_model_state_dict(model, held.get("sd", {}),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del sd
     return model, mcfg, path
 
 
@@ -224,6 +223,8 @@ def main(argv):
     rank, world = init_distributed(cfg.device)
     try:
         train(cfg, cp, rank, world, t_start)
+    except (ValueError, OSError) as e:  # bad input found after start-up (model files, data): no traceback
+        raise SystemExit(f"error (rank {rank}): {type(e).__name__}: {e}") from None
     finally:
         dist.destroy_process_group()
 

@@ -1,14 +1,29 @@
 """Benchmark of loss.chunked_nll against the naive full-logits cross-entropy: time, memory, gradient error.
 
-    python bench/bench_loss.py                 # H200: 16,384 rows x V 151,936 x H 4,096, bf16 (~1 min)
-    python bench/bench_loss.py --small         # any machine: a tiny shape, exercises every code path
+    python bench/bench_loss.py                 # GPU: 16,384 rows x V 151,936 x H 4,096, bf16 (40 s on an H200)
+    python bench/bench_loss.py --small         # any machine: a tiny shape that exercises every code path
 
 For each chunk size and for the naive path (bf16 logits, F.cross_entropy on .float(), autograd) it reports the
-median fwd+bwd time over --iters runs after warm-up (CUDA events), the peak memory allocated beyond the inputs
-and their .grad buffers, and the error of the loss, grad_hidden and grad_weight relative to an fp32 reference
-computed chunk by chunk (relative Frobenius norm). A fourth line of numbers, `gemm floor`, times the three
-bf16 matmuls alone (logits, dH, dW) on the same shape: no loss can run faster than that on this card.
-Writes a JSON file (--out, default bench/results/loss.json) and prints a table.
+median fwd+bwd time of `(loss_sum / n_valid).backward()` over --iters runs after warm-up (CUDA events), the
+peak memory allocated beyond the inputs and their preallocated .grad buffers, and the error of the loss,
+grad_hidden and grad_weight relative to an fp32 reference computed a chunk of rows at a time (relative
+Frobenius norm). The last line, `gemm floor`, times the three bf16 matmuls alone (logits, dH, dW) at the same
+shape: no loss built on them runs faster on this card. Writes JSON (--out, default bench/results/loss.json).
+
+Measured on one H200 (torch 2.11, cuBLAS), this script as is:
+
+    method         ms median   ms min  peak GiB  loss err    dH err    dW err
+    chunked 1024       113.6    110.5      3.60   4.5e-07   2.0e-03   1.6e-03
+    chunked 2048       109.7    107.4      4.20   5.2e-07   2.0e-03   1.6e-03
+    chunked 4096       106.7    103.4      5.95   5.2e-07   2.0e-03   1.6e-03
+    chunked 8192       104.3    102.7      9.46   5.2e-07   2.0e-03   1.6e-03
+    naive              120.3    117.3     27.82   9.0e-07   2.0e-03   1.8e-03
+    gemm floor          91.7   (3 bf16 matmuls of the shape, no softmax)
+
+Where the chunked time goes (torch.profiler, chunks of 4,096): the three GEMMs 88 ms, the fused softmax 10 ms,
+backward's scale-and-round of grad_weight 3 ms. The peak is the fp32 grad_weight accumulator (2.32 GiB) plus
+6 B per element of one [chunk, V] block (fp32 logits while bf16 dlogits are written: 1.74 GiB at 2,048), or,
+for small chunks, that accumulator plus its bf16 rounding (1.16 GiB) at the start of backward.
 """
 import argparse
 import json
@@ -78,7 +93,7 @@ def time_fwd_bwd(fn, hidden, weight, labels, iters, warmup):
 def peak_extra_gib(fn, hidden, weight, labels):
     """Peak memory allocated during one fwd+bwd, beyond what is allocated before it (inputs and their grads)."""
     if not hidden.is_cuda:
-        return float("nan")
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -91,7 +106,7 @@ def peak_extra_gib(fn, hidden, weight, labels):
 def gemm_floor_ms(hidden, weight, iters, warmup):
     """The three matmuls of a fused loss, alone, in bf16: logits [N, V], dH = g @ W, dW = g.T @ h."""
     if not hidden.is_cuda:
-        return float("nan")
+        return None
     h, w = hidden.detach(), weight.detach()
     g = torch.randn(h.shape[0], w.shape[0], device=h.device, dtype=h.dtype)                     # [N, V]
     times = []
@@ -129,7 +144,8 @@ def main():
     dtype = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(args.seed)
     hidden = torch.randn(N, H, device=device, dtype=dtype, generator=g).requires_grad_()                # [N, H]
-    weight = (0.02 * torch.randn(V, H, device=device, generator=g)).to(dtype).requires_grad_()          # [V, H]
+    # logits of std ~1.3 at any H: 0.02 at H = 4,096, as a trained head's weights
+    weight = (1.28 / H**0.5 * torch.randn(V, H, device=device, generator=g)).to(dtype).requires_grad_()  # [V, H]
     labels = torch.randint(0, V, (N,), device=device, generator=g)                                      # [N]
     labels[::1000] = -100  # a few ignored rows, as at document ends
 
@@ -159,9 +175,11 @@ def main():
     print(f"{N} rows x V {V} x H {H}, {dtype}, {result['device']}, torch {torch.__version__}")
     print(f"{'method':<14}{'ms median':>10}{'ms min':>9}{'peak GiB':>10}{'loss err':>10}{'dH err':>10}{'dW err':>10}")
     for r in rows:
-        print(f"{r['method']:<14}{r['ms_median']:>10.1f}{r['ms_min']:>9.1f}{r['peak_extra_gib']:>10.2f}"
+        peak = "-" if r["peak_extra_gib"] is None else f"{r['peak_extra_gib']:.2f}"  # CUDA only
+        print(f"{r['method']:<14}{r['ms_median']:>10.1f}{r['ms_min']:>9.1f}{peak:>10}"
               f"{r['loss_rel_err']:>10.1e}{r['grad_hidden_rel_err']:>10.1e}{r['grad_weight_rel_err']:>10.1e}")
-    print(f"{'gemm floor':<14}{floor:>10.1f}   (3 bf16 matmuls of the shape, no softmax)")
+    if floor is not None:
+        print(f"{'gemm floor':<14}{floor:>10.1f}   (3 bf16 matmuls of the shape, no softmax)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -300,5 +300,5 @@ def test_hub_download_path(monkeypatch, tmp_path):
     def offline(repo_id, allow_patterns):
         raise huggingface_hub.errors.LocalEntryNotFoundError("connection refused")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(RuntimeError, match="could not download 'Qwen/Qwen3-Tiny'.*--model"):
+    with pytest.raises(ConnectionError, match="could not download 'Qwen/Qwen3-Tiny'.*--model"):
         Qwen3.from_pretrained("Qwen/Qwen3-Tiny")

@@ -196,13 +196,38 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_fn):
+    def forward(self, x, cos, sin, attn_fn, record=None, replay=None):
+        """record: a list that receives (out, lse) of attn_fn.fwd (under no_grad); replay: that (out, lse),
+        used as the attention's output with only its backward left to run (see _Checkpoint)."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.hq, self.hd)).transpose(1, 2)   # (B, Hq, T, D)
         k = self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.hkv, self.hd).transpose(1, 2)               # (B, Hkv, T, D)
-        o = attn_fn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)               # (B, Hq, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if record is not None:
+            o, lse = attn_fn.fwd(q, k, v)                                              # lse (B, Hq, T) fp32
+            record += [o, lse]
+        elif replay is not None:
+            o = _ReplayAttention.apply(q, k, v, *replay, attn_fn)
+        else:
+            o = attn_fn(q, k, v)                                                       # (B, Hq, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.hq * self.hd))
+
+
+class _ReplayAttention(torch.autograd.Function):
+    """Attention whose output is already known (kept from the forward pass): returns it, and in backward runs
+    the attention backward from the recomputed q, k, v and the kept output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, attn_fn):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attn_fn = attn_fn
+        return out.clone() if out.requires_grad else out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return *ctx.attn_fn.bwd(dout, q, k, v, out, lse), None, None, None
 
 
 def _swiglu(x, w_gate, w_up, w_down):
@@ -260,10 +285,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.checkpoint = False
+        self.keep_attention = False  # keep attention's output + lse from forward instead of recomputing it
         self.offload = None  # a HostOffload shared by the blocks, or None
 
-    def body(self, x, cos, sin, attn_fn):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn)
+    def body(self, x, cos, sin, attn_fn, record=None, replay=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn, record, replay)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(self, x, cos, sin, attn_fn):
@@ -284,8 +310,8 @@ class HostOffload:
     reused from step to step. On CPU it still copies (so the CPU tests exercise the same code)."""
 
     def __init__(self):
-        self.host = {}      # block index -> pinned host buffer
-        self.on_device = {}  # block index -> (tensor, event) brought back ahead of its backward
+        self.host = {}       # (block index, name) -> pinned host buffer
+        self.on_device = {}  # (block index, name) -> (tensor, event) brought back ahead of its backward
         self.stream = None
 
     def _side_stream(self, device):
@@ -293,10 +319,10 @@ class HostOffload:
             self.stream = torch.cuda.Stream(device)
         return self.stream
 
-    def save(self, i, x):
-        buf = self.host.get(i)
+    def save(self, key, x):
+        buf = self.host.get(key)
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = self.host[i] = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
+            buf = self.host[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
         stream = self._side_stream(x.device)
         if stream is None:
             buf.copy_(x)
@@ -306,8 +332,8 @@ class HostOffload:
             buf.copy_(x, non_blocking=True)
         x.record_stream(stream)  # the allocator must not hand x's memory out before the copy has read it
 
-    def _fetch(self, i, device):
-        buf = self.host[i]
+    def _fetch(self, key, device):
+        buf = self.host[key]
         stream = self._side_stream(device)
         if stream is None:
             return buf.clone(), None
@@ -318,10 +344,11 @@ class HostOffload:
             event.record(stream)
         return x, event
 
-    def load(self, i, device):
-        x, event = self.on_device.pop(i, None) or self._fetch(i, device)
-        if i - 1 in self.host and i - 1 not in self.on_device:  # backward runs blocks in reverse order
-            self.on_device[i - 1] = self._fetch(i - 1, device)
+    def load(self, key, device):
+        x, event = self.on_device.pop(key, None) or self._fetch(key, device)
+        ahead = (key[0] - 1, key[1])  # backward runs the blocks in reverse order
+        if ahead in self.host and ahead not in self.on_device:
+            self.on_device[ahead] = self._fetch(ahead, device)
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
             x.record_stream(torch.cuda.current_stream(device))
@@ -334,29 +361,37 @@ class HostOffload:
 class _Checkpoint(torch.autograd.Function):
     """Runs a block without keeping its activations; backward recomputes it from the saved input.
 
+    With block.keep_attention (and an attn_fn that has fwd/bwd), the attention output and log-sum-exp are
+    kept too, and the recompute skips the attention forward: at long sequence that is ~20% of a step.
+    What is kept lives in pinned host memory when the block has an offload, else on the device.
     The block's parameters are not inputs of this Function: the recompute's own backward accumulates their
     gradients (as reentrant checkpointing does), which is what FSDP2's post-backward hook then reduces."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, block, attn_fn):
         ctx.block, ctx.attn_fn = block, attn_fn
+        record = [] if block.keep_attention and hasattr(attn_fn, "fwd") else None
         with torch.no_grad():
-            y = block.body(x, cos, sin, attn_fn)
+            y = block.body(x, cos, sin, attn_fn, record=record)
+        kept = [x] + (record or [])
+        ctx.names = ["x", "out", "lse"][:len(kept)]
         if block.offload is not None:
-            block.offload.save(block.index, x)
-            ctx.save_for_backward(cos, sin)
-        else:
-            ctx.save_for_backward(cos, sin, x)
+            for name, t in zip(ctx.names, kept):
+                block.offload.save((block.index, name), t)
+            kept = []
+        ctx.save_for_backward(cos, sin, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         block = ctx.block
-        cos, sin, *x = ctx.saved_tensors
-        x = block.offload.load(block.index, dy.device) if block.offload is not None else x[0]
+        cos, sin, *kept = ctx.saved_tensors
+        if block.offload is not None:
+            kept = [block.offload.load((block.index, name), dy.device) for name in ctx.names]
+        x, replay = kept[0], (kept[1:] or None)
         with torch.enable_grad():
             x = x.detach().requires_grad_()
-            y = block.body(x, cos, sin, ctx.attn_fn)
+            y = block.body(x, cos, sin, ctx.attn_fn, replay=replay)
             torch.autograd.backward(y, dy)
         return x.grad, None, None, None, None
 
@@ -377,11 +412,16 @@ class Qwen3(nn.Module):
     def head_weight(self):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def set_levers(self, checkpoint: bool = True, offload: bool = False, mlp_tile: int = 0):
-        """Activation checkpoint per block, its input in pinned host memory, and the MLP's sequence tile."""
+    def set_levers(self, checkpoint: bool = True, offload: bool = False, mlp_tile: int = 0, offload_layers: int = 0,
+                   keep_attention: bool = False):
+        """Activation checkpoint per block; what it keeps (its input, and with keep_attention the attention
+        output + lse) in pinned host memory for the first `offload_layers` blocks (0 = all: the first blocks'
+        tensors are needed last in backward, so their copies hide best); the MLP's sequence tile (0 = off)."""
         shared = HostOffload() if offload else None
+        n = offload_layers or len(self.layers)
         for b in self.layers:
-            b.checkpoint, b.offload, b.mlp.tile = checkpoint or offload, shared, mlp_tile
+            b.checkpoint, b.offload, b.mlp.tile = checkpoint or offload, shared if b.index < n else None, mlp_tile
+            b.keep_attention = keep_attention
         return self
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=4096):

@@ -141,8 +141,10 @@ class _Ring:
 
 def _ring_fwd(q, k, v, group):
     """q [B, Hq, T, D], k/v [B, Hkv, T, D], contiguous and zigzag-sharded over group.
-    -> out [B, Hq, T, D] fp32, lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i."""
+    -> out [B, Hq, T, D] fp32 (q.dtype when world is 1), lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:  # one device: the kernel's own output, no fp32 merge buffer
+        return _attn_fwd(q, k, v, True)
     ring, out, lse = _Ring(group), None, None
     for i in range(world):
         if i + 1 < world:
@@ -155,11 +157,14 @@ def _ring_fwd(q, k, v, group):
 
 
 def _ring_bwd(dout, q, k, v, out, lse, group):
-    """dout, q, out [B, Hq, T, D], k/v [B, Hkv, T, D], lse [B, Hq, T] fp32 -> dq, dk, dv in fp32.
+    """dout, q, out [B, Hq, T, D], k/v [B, Hkv, T, D], lse [B, Hq, T] fp32 -> dq, dk, dv in fp32 (in
+    q.dtype when world is 1).
     K/V go round the ring again; dK/dV buffers (fp32) go round with them, one step behind: the buffer a
     rank holds at step i belongs to the K/V it holds, rank - i. After the last step it belongs to rank + 1,
     so one more hop delivers every buffer, with all world contributions, to its owner."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:  # one device: the kernel's own gradients, no fp32 accumulators
+        return _attn_bwd(dout, q, k, v, out, lse, True)
     kv_ring, grad_ring = _Ring(group), _Ring(group)
     dq = torch.zeros_like(q, dtype=torch.float32)
     dk = torch.zeros_like(k, dtype=torch.float32)
@@ -201,10 +206,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def ring_attention(q, k, v, group):
-    """Causal attention over a sequence zigzag-sharded (zigzag_shard, with the rank in `group`) across the
-    ranks of `group`. q [B, Hq, T, D], k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's two chunks.
-    -> [B, Hq, T, D] in q.dtype, softmax scale 1/sqrt(D). Differentiable w.r.t. q, k, v."""
+def _check(q, k, v, group):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"want q [B, Hq, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -213,13 +215,46 @@ def ring_attention(q, k, v, group):
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, length or head_dim")
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    if t % 2:
+    if t % 2 and not (dist.is_initialized() and dist.get_world_size(group) == 1):  # a ring of one: any T
         raise ValueError(f"local length T={t} must be even: a rank holds two equal zigzag chunks")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         raise ValueError("q, k and v must share dtype and device")
     if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the CUDA attention kernels take bf16 or fp16, not {q.dtype}")
+
+
+def ring_attention(q, k, v, group):
+    """Causal attention over a sequence zigzag-sharded (zigzag_shard, with the rank in `group`) across the
+    ranks of `group`. q [B, Hq, T, D], k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's two chunks.
+    -> [B, Hq, T, D] in q.dtype, softmax scale 1/sqrt(D). Differentiable w.r.t. q, k, v."""
+    _check(q, k, v, group)
     return _RingAttention.apply(q, k, v, group)
+
+
+class RingAttention:
+    """The model's attn_fn: ring_attention over `group` (a group of one is plain causal attention).
+
+    fwd and bwd expose the two halves without autograd, so that a checkpointed block can keep the output
+    and log-sum-exp of its forward and, in backward, run only the attention backward instead of recomputing
+    the attention forward (the most expensive part of a block at long sequence)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, q, k, v):
+        return ring_attention(q, k, v, self.group)
+
+    def fwd(self, q, k, v):
+        """-> out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] fp32."""
+        _check(q, k, v, self.group)
+        out, lse = _ring_fwd(q.contiguous(), k.contiguous(), v.contiguous(), self.group)
+        return out.to(q.dtype), lse
+
+    def bwd(self, dout, q, k, v, out, lse):
+        """-> dq, dk, dv in the inputs' dtype."""
+        dq, dk, dv = _ring_bwd(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
+                               self.group)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -54,9 +53,12 @@ class TrainConfig:
     dtype: str = "bfloat16"       # parameters and compute: bfloat16 | float32 (gradients reduce in fp32)
     checkpoint: bool = True       # recompute each block in backward, keeping only its input
     offload: bool = True          # keep those inputs in pinned host memory
+    offload_layers: int = 0       # offload only the first N blocks' inputs (0 = all): when host RAM is short
+    keep_attention: bool = True   # keep attention's output + lse (offloaded with --offload) instead of
+                                  # recomputing attention's forward in backward: ~20% of a long step
     tiled_mlp: bool = True        # compute the MLP in sequence tiles of mlp_tile rows
     mlp_tile: int = 16384
-    loss_chunk: int = 4096        # rows of the chunked loss
+    loss_chunk: int = 2048        # rows of the chunked loss (bench/bench_loss.py: 4% slower than 4096, 1.8 GiB less)
     peak_tflops: float = 989.0    # per GPU, dense bf16 (H100/H200 SXM), for MFU
     out_dir: str = "runs/qwen3-8b-1m"
     save_dir: str = ""            # "" = no final save; else an HF-format folder
@@ -175,7 +177,8 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     with torch.device("meta"):
         model = Qwen3(mcfg, attn_fn).to(dtype)
     names = list(model.state_dict())  # before sharding: reading an FSDP module's state dict is collective
-    model.set_levers(checkpoint=cfg.checkpoint, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0)
+    model.set_levers(checkpoint=cfg.checkpoint, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0,
+                     offload_layers=cfg.offload_layers, keep_attention=cfg.keep_attention)
     shard_model(model, mesh, param_dtype=dtype)
     model.to_empty(device=device)
 
@@ -196,6 +199,24 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     return model, mcfg, path
 
 
+def check_host_memory(cfg, mcfg, cp, dtype, log):
+    """Pinned host memory for offloaded block inputs: say how much, and stop before the first step if this
+    machine cannot hold it for all of its ranks (pinned pages cannot be swapped out)."""
+    layers = min(cfg.offload_layers or mcfg.num_hidden_layers, mcfg.num_hidden_layers)
+    per_token = mcfg.hidden_size * dtype.itemsize  # the block input
+    if cfg.keep_attention:  # + the attention output and its fp32 log-sum-exp
+        per_token += mcfg.num_attention_heads * (mcfg.head_dim * dtype.itemsize + 4)
+    per_rank = layers * cfg.seq_len // cp * per_token
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    log(f"offload: {layers} blocks' kept tensors, {per_rank / 2**30:.1f} GiB of pinned host memory per rank, "
+        f"{local * per_rank / 2**30:.1f} GiB for the {local} rank(s) of this node ({total / 2**30:.0f} GiB RAM)")
+    if local * per_rank > 0.9 * total:
+        raise SystemExit(f"error: offloading needs {local * per_rank / 2**30:.0f} GiB of host RAM on this node but "
+                         f"it has {total / 2**30:.0f} GiB; use --offload_layers N (fewer blocks offloaded), more "
+                         "context parallelism (--cp), or --offload false")
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup over warmup_steps, then cosine down to lr * min_lr_ratio at max_steps (steps from 1)."""
     if step <= cfg.warmup_steps:
@@ -212,6 +233,10 @@ def step_flops(mcfg, seq_len: int) -> float:
     matmul_params = L * (h * qd * 2 + h * kvd * 2 + 3 * h * i) + h * mcfg.vocab_size
     attention = L * 3 * 2 * 2 * qd * seq_len * seq_len / 2
     return 6 * matmul_params * seq_len + attention
+
+
+def offload_bytes(model) -> int:
+    return model.layers[0].offload.host_bytes() if model.layers[0].offload is not None else 0
 
 
 def main(argv):
@@ -234,7 +259,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
     from torch.distributed.device_mesh import init_device_mesh
     import data
     from model import save_hf_checkpoint
-    from parallel import clip_grad_norm_, ring_attention, zigzag_positions, zigzag_shard
+    from parallel import RingAttention, clip_grad_norm_, zigzag_positions, zigzag_shard
 
     dp = world // cp
     dp_rank, cp_rank = divmod(rank, cp)  # a context-parallel group is cp consecutive ranks: one node when it fits
@@ -252,13 +277,12 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
     mesh = init_device_mesh(cfg.device, (dp, cp), mesh_dim_names=("dp", "cp"))
     cp_group = mesh.get_group("cp")
     fsdp_mesh = init_device_mesh(cfg.device, (world,))
-    model, mcfg, path = build_model(cfg, fsdp_mesh, partial(ring_attention, group=cp_group), dtype, device)
+    model, mcfg, path = build_model(cfg, fsdp_mesh, RingAttention(cp_group), dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {n_params / 1e9:.3f} B parameters, "
         f"rope_scaling {mcfg.rope_scaling}")
     if cfg.offload:
-        need = mcfg.num_hidden_layers * cfg.seq_len // cp * mcfg.hidden_size * dtype.itemsize
-        log(f"offload: {need / 2**30:.1f} GiB of pinned host memory per rank for block inputs")
+        check_host_memory(cfg, mcfg, cp, dtype, log)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
 
@@ -335,7 +359,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         rec = dict(step=step, loss=loss, grad_norm=grad_norm.item(), num_tokens=tokens, lr=lr, step_time_s=dt,
                    tokens_per_s=tokens / dt,
                    mfu=flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
-                   peak_mem_gb=peak.item() / 1e9)
+                   peak_mem_gb=peak.item() / 1e9, offload_host_gb=offload_bytes(model) / 1e9)
         if math.isnan(loss) or math.isinf(loss):
             raise SystemExit(f"error: loss is {loss} at step {step}; lower --lr or check the data")
         log(f"step {step:4d} | loss {loss:.4f} | grad norm {rec['grad_norm']:.3f} | lr {lr:.2e} | "

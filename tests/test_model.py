@@ -155,19 +155,54 @@ def loss_and_grads(m, ids, labels):
     return s.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def group_of_one():
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("levers", [dict(checkpoint=True), dict(offload=True), dict(mlp_tile=7),
-                                    dict(checkpoint=True, offload=True, mlp_tile=5)])
-def test_levers_keep_loss_and_gradients(levers):
-    # float64, so that only a change of the math (not of summation order) could fail this
+                                    dict(checkpoint=True, offload=True, mlp_tile=5),
+                                    dict(checkpoint=True, keep_attention=True),
+                                    dict(offload=True, keep_attention=True, mlp_tile=6)])
+def test_levers_keep_loss_and_gradients(levers, group_of_one):
+    from parallel import RingAttention
+    # float64, so that only a change of the math (not of summation order) could fail this; the attention
+    # function with fwd/bwd halves (a ring of one) so that keep_attention really skips the recompute
     m = random_model(tiny(num_key_value_heads=1), dtype=torch.float64)
+    m.attn_fn = RingAttention(group_of_one)
     ids, labels = torch.randint(0, 97, (2, 33)), torch.randint(0, 97, (2, 33))
     ref_loss, ref_grads = loss_and_grads(m.set_levers(checkpoint=False), ids, labels)
     loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
     for n in ref_grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
-    if levers.get("offload"):
-        assert m.layers[0].offload.host_bytes() == 3 * 2 * 33 * 40 * 8  # one block input per layer kept
+    if levers.get("offload"):  # per layer: the block input [2, 33, 40], and the attention out + lse if kept
+        kept = 2 * 33 * 40 + (2 * 5 * 33 * 8 + 2 * 5 * 33 if levers.get("keep_attention") else 0)
+        assert m.layers[0].offload.host_bytes() == 3 * kept * 8
+
+
+def test_keep_attention_skips_the_attention_recompute(group_of_one):
+    """Cost, not only values: with keep_attention the backward runs the attention forward kernel 0 times."""
+    from parallel import RingAttention
+    import parallel
+    calls = []
+    fwd = parallel._attn_fwd
+    m = random_model(tiny(), dtype=torch.float64)
+    m.attn_fn = RingAttention(group_of_one)
+    ids = torch.randint(0, 97, (1, 20))
+    for keep, expected in ((False, 2 * 3), (True, 3)):  # 3 layers: forward (+ recompute when not kept)
+        calls.clear()
+        parallel._attn_fwd = lambda *a: calls.append(1) or fwd(*a)
+        try:
+            m.set_levers(checkpoint=True, keep_attention=keep)
+            s, _ = m(ids, labels=ids)
+            s.backward()
+        finally:
+            parallel._attn_fwd = fwd
+        assert len(calls) == expected, (keep, len(calls))
 
 
 def test_checkpoint_keeps_only_block_inputs():

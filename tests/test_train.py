@@ -59,8 +59,10 @@ def test_data_parallel_equals_gradient_accumulation(tmp_path):
 
 
 def test_levers_on_do_not_change_the_run(tmp_path):
-    plain = run(tmp_path, 2, "--checkpoint", "false", "--offload", "false", "--tiled_mlp", "false")
-    levers = run(tmp_path, 2, "--checkpoint", "true", "--offload", "true", "--tiled_mlp", "true", "--mlp_tile", "50")
+    plain = run(tmp_path, 2, "--checkpoint", "false", "--offload", "false", "--tiled_mlp", "false",
+                "--keep_attention", "false")
+    levers = run(tmp_path, 2, "--checkpoint", "true", "--offload", "true", "--tiled_mlp", "true", "--mlp_tile", "50",
+                 "--keep_attention", "true", "--offload_layers", "1")
     same_steps(plain, levers)
 
 

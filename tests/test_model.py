@@ -79,6 +79,31 @@ def test_default_rope_has_no_scaling():
     assert factor == 1.0
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 1e-2)])
+def test_rmsnorm_matches_autograd_of_the_formula(dtype, tol):
+    x = torch.randn(3, 7, 37, dtype=dtype, requires_grad=True)
+    w = (torch.rand(37, dtype=dtype) + 0.5).requires_grad_()
+    dy = torch.randn(3, 7, 37, dtype=dtype)
+
+    def formula(x, w):  # transformers' Qwen3RMSNorm
+        h = x.to(torch.float32 if dtype != torch.float64 else dtype)
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    ref = formula(x, w)
+    ref_dx, ref_dw = torch.autograd.grad(ref, (x, w), dy)
+    norm = M.RMSNorm(37, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    y = norm(x)
+    dx, dw = torch.autograd.grad(y, (x, norm.weight), dy)
+    for a, b in ((y, ref), (dx, ref_dx), (dw, ref_dw)):
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * max(1, b.abs().max().item()))
+    # cost: only x (already alive) and one fp32 number per row are kept for backward
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm(x)
+    assert sum(t.numel() for t in saved if t.data_ptr() not in (x.data_ptr(), norm.weight.data_ptr())) == 3 * 7
+
+
 # --- the model against a naive forward -------------------------------------------------------
 
 def naive_forward(m, ids, pos):

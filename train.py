@@ -66,8 +66,9 @@ class TrainConfig:
 
 PRESETS = {
     "qwen3-8b-1m": {},
-    "demo": dict(model="tiny", tokenizer="byte", yarn_factor=0.0, data="synthetic", seq_len=1024, max_steps=30,
-                 lr=3e-3, warmup_steps=3, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
+    # ~45 s on 2 CPU cores with 2 ranks; the loss falls from 5.5 (uniform over 257 bytes) to ~2.4
+    "demo": dict(model="tiny", tokenizer="byte", yarn_factor=0.0, data="synthetic", seq_len=4096, max_steps=150,
+                 lr=3e-3, warmup_steps=10, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
                  tiled_mlp=False, loss_chunk=512, out_dir="runs/demo"),
 }
 
@@ -310,6 +311,9 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         if loader is not None:
             try:
                 w = next(loader)
+            except StopIteration:
+                print(f"error (rank {rank}): the data ran out; use more data or fewer --max_steps", file=sys.stderr)
+                ok = False
             except Exception as e:  # every rank must hear of it, or the others hang in the next collective
                 print(f"error (rank {rank}): reading data: {type(e).__name__}: {e}", file=sys.stderr)
                 ok = False

@@ -149,10 +149,9 @@ def rope_inv_freq(cfg: Qwen3Config) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attn_factor: float, dtype=torch.float32):
-    """cos, sin [B, T, head_dim] (fp32 unless asked for float64) for the positions present (never a table of max_positions x head_dim).
-
-    Angles are formed in float64: at position 1,048,576 an fp32 product pos * inv_freq is off by up to 0.06 rad.
-    """
+    """cos, sin [B, T, head_dim] (fp32, or float64 for a float64 model) for the positions present: never a
+    table of max_positions x head_dim. Angles are formed in float64: at position 1,048,576 an fp32 product
+    pos * inv_freq is off by up to 0.06 rad."""
     ang = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)  # (B, T, d/2)
     ang = torch.cat([ang, ang], dim=-1)                                                  # (B, T, d)
     return (ang.cos() * attn_factor).to(dtype), (ang.sin() * attn_factor).to(dtype)
@@ -243,7 +242,7 @@ class _ReplayAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, out, lse, attn_fn):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.attn_fn = attn_fn
-        return out.clone() if out.requires_grad else out.view_as(out)
+        return out.view_as(out)  # out was made under no_grad; this node becomes its grad_fn
 
     @staticmethod
     def backward(ctx, dout):
@@ -320,14 +319,15 @@ class Block(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints: keep only each block's input, optionally in pinned host memory
+# Checkpoints: keep only each block's input (and attention output), optionally in pinned host memory
 # ---------------------------------------------------------------------------------------------
 
 class HostOffload:
-    """Keeps block inputs in pinned host memory between forward and backward.
+    """Keeps what the block checkpoints keep (inputs, attention outputs) in pinned host memory between forward
+    and backward, under keys (block index, name).
 
     Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: the
-    input of block i-1 is brought back while block i recomputes and runs backward. The pinned buffers are
+    tensors of block i-1 are brought back while block i recomputes and runs backward. The pinned buffers are
     reused from step to step. On CPU it still copies (so the CPU tests exercise the same code)."""
 
     def __init__(self):

@@ -247,7 +247,7 @@ def test_bad_inputs_raise_value_error(kwargs, message):
         chunked_nll(args["hidden"], args["weight"], args["labels"], chunk_size=chunk)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path: mixed-dtype GEMMs and the compiled softmax")
+@pytest.mark.gpu  # the CUDA path: mixed-dtype GEMMs and the compiled softmax
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_float64_oracle(dtype):
     hidden, weight, labels = make(300, 1001, 64, dtype=dtype, seed=4, ignore=[0, 299])

@@ -62,6 +62,8 @@ class TrainConfig:
     peak_tflops: float = 989.0    # per GPU, dense bf16 (H100/H200 SXM), for MFU
     out_dir: str = "runs/qwen3-8b-1m"
     save_dir: str = ""            # "" = no final save; else an HF-format folder
+    ckpt_every: int = 0           # every N steps, a resumable checkpoint in out_dir/checkpoint (0 = never)
+    resume: str = ""              # a checkpoint folder to continue from (weights, optimizer, data position, step)
 
 
 PRESETS = {
@@ -121,6 +123,10 @@ def check_config(cfg: TrainConfig, world: int):
         need(getattr(cfg, key) >= 1, f"--{key} must be >= 1")
     need(cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.warmup_steps >= 0, "--lr > 0, 0 <= --min_lr_ratio <= 1, "
          "--warmup_steps >= 0")
+    need(cfg.ckpt_every >= 0, "--ckpt_every must be >= 0")
+    need(not cfg.resume or os.path.isfile(os.path.join(cfg.resume, "trainer.json")),
+         f"--resume {cfg.resume}: not a checkpoint folder (no trainer.json); use out_dir/checkpoint of a run "
+         "made with --ckpt_every")
     need(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
     need(not cfg.tiled_mlp or cfg.mlp_tile >= 1, "--mlp_tile must be >= 1 when --tiled_mlp true")
     need(cfg.yarn_factor == 0 or (cfg.yarn_factor >= 1 and cfg.yarn_original_max_position_embeddings >= 1),
@@ -236,6 +242,41 @@ def step_flops(mcfg, seq_len: int) -> float:
     return 6 * matmul_params * seq_len + attention
 
 
+def save_checkpoint(path, model, opt, step, data_state):
+    """A resumable checkpoint: model and optimizer shards (torch.distributed.checkpoint, each rank writes its
+    own), the step and the data position. Written beside the old one, then swapped in, so a crash while
+    saving leaves the previous checkpoint whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    tmp, old = path + ".tmp", path + ".old"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    if dist.get_rank() == 0:  # rank 0 reads the first data-parallel group's data: the same position as all
+        with open(os.path.join(tmp, "trainer.json"), "w") as fh:
+            json.dump({"step": step, "data": data_state}, fh)
+        if os.path.isdir(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(path, model, opt):
+    """Restores what save_checkpoint wrote (any world size: the shards are resharded); -> (step, data state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    with open(os.path.join(path, "trainer.json")) as fh:
+        meta = json.load(fh)
+    return meta["step"], meta["data"]
+
+
 def offload_bytes(model) -> int:
     return model.layers[0].offload.host_bytes() if model.layers[0].offload is not None else 0
 
@@ -322,11 +363,18 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         dist.broadcast(w, src=src, group=cp_group)
         return w
 
+    first = 1
+    if cfg.resume:
+        done, data_state = load_checkpoint(cfg.resume, model, opt)
+        if loader is not None:
+            loader.load_state_dict(data_state)
+        first = done + 1
+        log(f"resumed from {cfg.resume} after step {done}")
     positions = zigzag_positions(cfg.seq_len, cp_rank, cp, device=device)[None]  # (1, T/cp)
     flops = step_flops(mcfg, cfg.seq_len) * cfg.grad_accum * dp
-    metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a" if cfg.resume else "w") if rank == 0 else None
     model.train()
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(first, cfg.max_steps + 1):
         t0 = time.time()
         if cfg.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -352,7 +400,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = (loss_sum / count).item()  # syncs: the step's time below is real
-        if step == 1:
+        if step == first:
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
         dt = time.time() - t0
         peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else  # CPU: max RSS
@@ -372,6 +420,9 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         if metrics:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
+        if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.max_steps):
+            save_checkpoint(os.path.join(cfg.out_dir, "checkpoint"), model, opt, step,
+                            loader.state_dict() if loader is not None else None)
     if loader is not None:
         loader.close()
     if cfg.save_dir:

@@ -77,6 +77,25 @@ def test_final_save_is_an_hf_checkpoint(tmp_path):
     assert again[0]["loss"] < first[0]["loss"]  # it starts from the trained weights, not from scratch
 
 
+def test_resume_continues_exactly(tmp_path):
+    """4 steps straight == 2 steps, checkpoint, then resume for steps 3-4 on another world size (constant lr, so
+    the schedule does not depend on --max_steps)."""
+    const = ["--warmup_steps", "0", "--min_lr_ratio", "1"]
+    straight = run(tmp_path, 2, "--max_steps", "4", *const)
+    first = tmp_path / "first"
+    p, _ = run(tmp_path, 2, "--max_steps", "2", "--ckpt_every", "2", "--out_dir", str(first), *const, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.load(open(first / "checkpoint" / "trainer.json"))["step"] == 2
+    p, _ = run(tmp_path, 4, "--max_steps", "4", "--cp", "4", "--resume", str(first / "checkpoint"),
+               "--out_dir", str(first), *const, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = [json.loads(line) for line in open(first / "metrics.jsonl")]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight[2:], resumed[2:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                               rel=1e-4)
+
+
 @pytest.mark.parametrize("nproc,args,msg", [
     (2, ["--seq_len", "262"], "multiple of 2\\*cp = 4"),
     (2, ["--cp", "4"], "does not divide the world size 2"),
@@ -86,6 +105,7 @@ def test_final_save_is_an_hf_checkpoint(tmp_path):
     (1, ["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
     (2, ["--model", "/nonexistent/qwen"], "no such folder"),
     (2, ["--data", "/nonexistent/books.txt"], "books.txt"),
+    (2, ["--resume", "/nonexistent/ckpt"], "not a checkpoint folder"),
 ])
 def test_bad_input_stops_every_rank_with_a_message(tmp_path, nproc, args, msg):
     p, _ = run(tmp_path, nproc, *args, check=False, timeout=120)

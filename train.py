@@ -154,7 +154,8 @@ def all_ok(ok: bool, what: str, device):
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if flag.item() < 1:
-        raise SystemExit(f"error: {what} failed on another rank (see its message above); stopping")
+        where = "on this rank" if not ok else "on another rank"
+        raise SystemExit(f"error: {what} failed {where} (see the message above); stopping")
 
 
 def init_distributed(device: str):

@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_one(model, seq_len, steps, extra, out_root, timeout):
     out = os.path.join(out_root, f"{model}_{seq_len}_{abs(hash(extra)) % 10**6}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(ROOT, "train.py"), "--model", os.path.join(ROOT, "bench", "configs", model),
+           os.path.join(ROOT, "train.py"),
+           "--model", model if model == "tiny" else os.path.join(ROOT, "bench", "configs", model),
            "--tokenizer", "byte", "--data", "synthetic", "--seq_len", str(seq_len), "--max_steps", str(steps),
            "--cp", "1", "--out_dir", out, *extra.split()]
     print("$", " ".join(cmd[4:]), flush=True)
@@ -34,8 +35,10 @@ def run_one(model, seq_len, steps, extra, out_root, timeout):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     timed = rows[1:] or rows
     t = statistics.median(r["step_time_s"] for r in timed)
+    mfu = [r["mfu"] for r in timed if r["mfu"] is not None]  # None on CPU
     return dict(model=model, seq_len=seq_len, extra=extra, s_per_step=t, tokens_per_s=seq_len / t,
-                mfu=statistics.median(r["mfu"] for r in timed), peak_mem_gib=max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30,
+                mfu=statistics.median(mfu) if mfu else 0.0,
+                peak_mem_gib=max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30,
                 host_offload_gib=rows[-1].get("offload_host_gb", 0) * 1e9 / 2**30, loss=rows[-1]["loss"])
 
 

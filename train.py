@@ -293,6 +293,11 @@ def main(argv):
         train(cfg, cp, rank, world, t_start)
     except (ValueError, OSError) as e:  # bad input found after start-up (model files, data): no traceback
         raise SystemExit(f"error (rank {rank}): {type(e).__name__}: {e}") from None
+    except torch.OutOfMemoryError as e:
+        raise SystemExit(f"error (rank {rank}): out of GPU memory at --seq_len {cfg.seq_len} with --cp {cp} "
+                         f"({str(e).splitlines()[0]}). Less memory per GPU: a larger --cp (more GPUs per "
+                         "sequence), --offload true, --tiled_mlp true with a smaller --mlp_tile, a smaller "
+                         "--loss_chunk, or a shorter --seq_len") from None
     finally:
         dist.destroy_process_group()
 
@@ -391,6 +396,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         # loss = global sum / global count of target tokens, over ranks and micro-steps alike
         count = sum((lab != -100).sum() for _, lab in micro).float()
         dist.all_reduce(count)
+        count.clamp_(min=1)  # a step with no target tokens has loss 0, not 0/0
         loss_sum = torch.zeros((), device=device)
         for inputs, labels in micro:
             s, _ = model(inputs, positions, labels, loss_chunk=cfg.loss_chunk)

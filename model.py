@@ -170,8 +170,8 @@ def apply_rope(x, cos, sin):
 
 class _RMSNormFn(torch.autograd.Function):
     """y = w * (x * rstd) with rstd = 1/sqrt(mean(x^2) + eps) in fp32 (transformers' Qwen3RMSNorm), keeping
-    only x and rstd for backward. Autograd of the same formula keeps fp32 copies of x: 4 GiB for one norm of
-    a 131k x 4096 block, the largest part of a block's recompute."""
+    only x and rstd for backward. Autograd of the same formula keeps fp32 copies of x (2 GiB each for a
+    131k x 4096 input); this Function took 4.4 GiB off the Qwen3-4B peak at 131k tokens (bench/NOTES.md)."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -383,7 +383,7 @@ class _Checkpoint(torch.autograd.Function):
     """Runs a block without keeping its activations; backward recomputes it from the saved input.
 
     With block.keep_attention (and an attn_fn that has fwd/bwd), the attention output and log-sum-exp are
-    kept too, and the recompute skips the attention forward: at long sequence that is ~20% of a step.
+    kept too, and the recompute skips the attention forward: 18% of the Qwen3-4B step at 131k (bench/NOTES.md).
     What is kept lives in pinned host memory when the block has an offload, else on the device.
     The block's parameters are not inputs of this Function: the recompute's own backward accumulates their
     gradients (as reentrant checkpointing does), which is what FSDP2's post-backward hook then reduces."""

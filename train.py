@@ -55,10 +55,10 @@ class TrainConfig:
     offload: bool = True          # keep those inputs in pinned host memory
     offload_layers: int = 0       # offload only the first N blocks' inputs (0 = all): when host RAM is short
     keep_attention: bool = True   # keep attention's output + lse (offloaded with --offload) instead of
-                                  # recomputing attention's forward in backward: ~20% of a long step
+                                  # recomputing attention's forward in backward: -18% at 4B/131k
     tiled_mlp: bool = True        # compute the MLP in sequence tiles of mlp_tile rows
     mlp_tile: int = 16384
-    loss_chunk: int = 2048        # rows of the chunked loss (bench/bench_loss.py: 4% slower than 4096, 1.8 GiB less)
+    loss_chunk: int = 2048        # rows of the chunked loss (bench/bench_loss.py: 3% slower than 4096, 1.8 GiB less)
     peak_tflops: float = 989.0    # per GPU, dense bf16 (H100/H200 SXM), for MFU
     out_dir: str = "runs/qwen3-8b-1m"
     save_dir: str = ""            # "" = no final save; else an HF-format folder

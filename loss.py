@@ -27,7 +27,7 @@ def _mm_fp32(a, b):
     return a.float() @ b.float()  # CPU has no mixed-dtype GEMM; widening bf16 is exact, so the math is the same
 
 
-def _addmm_fp32_(acc, a, b):
+def addmm_fp32_(acc, a, b):
     """acc += a @ b for an fp32 acc, the operands in their own dtype, with no [m, n] temporary."""
     if a.dtype != acc.dtype and a.is_cuda:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # the GEMM epilogue adds into the fp32 buffer
@@ -84,7 +84,7 @@ class _ChunkedNLL(torch.autograd.Function):
             if need_dh:
                 dh.index_copy_(0, idx, g @ weight)                                              # [c, H]
             if need_dw:
-                _addmm_fp32_(dw, g.T, h)                                               # [V, H] += [V, c] @ [c, H]
+                addmm_fp32_(dw, g.T, h)                                               # [V, H] += [V, c] @ [c, H]
             del g  # else it lives on while the next chunk's logits are made: 8 B per element, not 6
         # grad_weight stays fp32 until backward, where it is scaled (by 1 / token count, say) and rounded to
         # bf16 once. Rounding per chunk would add rows / chunk_size roundings (64 a step at 131,072 rows),

@@ -6,6 +6,7 @@ The model never imports torch.distributed: attention is a function `attn_fn(q, k
 
     python -c "from model import *; m = Qwen3(Qwen3Config.tiny()); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
 """
+import functools
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loss import chunked_nll
+from loss import addmm_fp32_, chunked_nll
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,16 +158,61 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attn_factor
     return (ang.cos() * attn_factor).to(dtype), (ang.sin() * attn_factor).to(dtype)
 
 
-def apply_rope(x, cos, sin):
-    """x [B, H, T, D]; cos/sin [B, T, D]. HF's rotate-half layout, in x's dtype (as transformers does)."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+def _rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class _RoPE(torch.autograd.Function):
+    """y = x*cos + rotate_half(x)*sin. rotate_half is a rotation by 90 degrees and sin is the same in both
+    halves, so the backward is the rotation the other way: dx = rope(dy, cos, -sin). Keeps only cos/sin."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return fused(_rope, x)(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return fused(_rope, dy)(dy, cos, -sin), None, None
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, H, D]; cos/sin [B, T, D]. HF's rotate-half layout, in x's dtype (as transformers does).
+    [B, T, H, D] is the projection's own layout: every tensor here is contiguous, so each pass is one
+    vectorised (on CUDA: one fused) kernel."""
+    return _RoPE.apply(x, cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def fused(fn, x):
+    """fn compiled by torch.compile (one Triton kernel for a chain of elementwise ops and reductions) when x is
+    on CUDA; fn itself elsewhere, so the CPU tests check the same formulas eagerly."""
+    return _compiled(fn) if x.is_cuda else fn
+
+
+def _rms_norm(x, w, eps):
+    rstd = torch.rsqrt(x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True) + eps)
+    return w * (x.to(rstd.dtype) * rstd).to(x.dtype), rstd
+
+
+def _rms_norm_backward(dy, x, w, rstd):
+    acc = rstd.dtype
+    n = x.to(acc) * rstd                                    # the normalised x
+    dw = (dy.to(acc) * n.to(x.dtype).to(acc)).reshape(-1, n.shape[-1]).sum(0)
+    dn = (dy * w).to(acc)
+    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw.to(w.dtype)
+
 
 class _RMSNormFn(torch.autograd.Function):
     """y = w * (x * rstd) with rstd = 1/sqrt(mean(x^2) + eps) in fp32 (transformers' Qwen3RMSNorm), keeping
@@ -175,20 +221,15 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps):
-        acc = torch.promote_types(x.dtype, torch.float32)
-        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        y, rstd = fused(_rms_norm, x)(x, w, eps)
         ctx.save_for_backward(x, w, rstd)
-        return w * (x.to(acc) * rstd).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        n = x.to(acc) * rstd                                    # the normalised x
-        dw = (dy.to(acc) * n.to(x.dtype).to(acc)).reshape(-1, n.shape[-1]).sum(0)
-        dn = (dy * w).to(acc)
-        dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
-        return dx.to(x.dtype), dw.to(w.dtype), None
+        dx, dw = fused(_rms_norm_backward, dy)(dy, x, w, rstd)
+        return dx, dw, None
 
 
 class RMSNorm(nn.Module):
@@ -220,10 +261,10 @@ class Attention(nn.Module):
         """record: a list that receives (out, lse) of attn_fn.fwd (under no_grad); replay: that (out, lse),
         used as the attention's output with only its backward left to run (see _Checkpoint)."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.hq, self.hd)).transpose(1, 2)   # (B, Hq, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.hkv, self.hd).transpose(1, 2)               # (B, Hkv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.hq, self.hd)), cos, sin)   # (B, T, Hq, D)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)), cos, sin)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.hkv, self.hd)                                     # (B, T, Hkv, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views as (B, H, T, D): no copies
         if record is not None:
             o, lse = attn_fn.fwd(q, k, v)                                              # lse (B, Hq, T) fp32
             record += [o, lse]
@@ -250,35 +291,49 @@ class _ReplayAttention(torch.autograd.Function):
         return *ctx.attn_fn.bwd(dout, q, k, v, out, lse), None, None, None
 
 
+def _silu_mul(g, u):
+    return F.silu(g) * u
+
+
+def _silu_mul_backward(dh, g, u):
+    """Gradients of h = silu(g) * u, in fp32 and rounded once: silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g)."""
+    dh, gf, uf = dh.to(torch.promote_types(dh.dtype, torch.float32)), g.to(dh.dtype), u.to(dh.dtype)
+    s = torch.sigmoid(gf)
+    return (dh * uf * s * (1 + gf * (1 - s))).to(g.dtype), (dh * gf * s).to(u.dtype)
+
+
 def _swiglu(x, w_gate, w_up, w_down):
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+    return F.linear(fused(_silu_mul, x)(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
 
 
 class _TiledMLP(torch.autograd.Function):
-    """SwiGLU over sequence tiles, each tile's forward and backward on its own, so the four [T x intermediate]
-    tensors exist one tile at a time (at 1M tokens and intermediate 9,728 they are 76 GB whole).
-    Weight gradients are summed over tiles in fp32 and rounded once."""
+    """SwiGLU over tiles of rows (tokens), each tile's forward and backward on its own, so the four
+    [T x intermediate] tensors exist one tile at a time (at 1M tokens and intermediate 9,728 they are 76 GB
+    whole). The backward is written out: per tile, the recomputed gate/up, one fused kernel for the SwiGLU
+    gradient, and the weight gradients added by the GEMMs straight into fp32 buffers, rounded once."""
 
     @staticmethod
     def forward(ctx, x, tile, w_gate, w_up, w_down):
         ctx.tile = tile
         ctx.save_for_backward(x, w_gate, w_up, w_down)
-        return torch.cat([_swiglu(xt, w_gate, w_up, w_down) for xt in x.split(tile, dim=-2)], dim=-2)
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.cat([_swiglu(xt, w_gate, w_up, w_down) for xt in rows.split(tile)]).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, *ws = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        dws = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in ws]
-        for xt, dyt, dxt in zip(x.split(ctx.tile, dim=-2), dy.split(ctx.tile, dim=-2), dx.split(ctx.tile, dim=-2)):
-            with torch.enable_grad():
-                xt = xt.detach().requires_grad_()
-                wt = [w.detach().requires_grad_() for w in ws]
-                grads = torch.autograd.grad(_swiglu(xt, *wt), [xt, *wt], dyt)
-            dxt.copy_(grads[0])
-            for acc, g in zip(dws, grads[1:]):
-                acc += g
-        return dx, None, *(g.to(w.dtype) for g, w in zip(dws, ws))
+        x, wg, wu, wd = ctx.saved_tensors
+        rows, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+        dx = torch.empty_like(rows)
+        dwg, dwu, dwd = (torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in (wg, wu, wd))
+        for xt, dyt, dxt in zip(rows.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
+            g, u = F.linear(xt, wg), F.linear(xt, wu)                        # [t, I]
+            addmm_fp32_(dwd, dyt.T, fused(_silu_mul, g)(g, u))               # dW_down += dy^T h
+            dg, du = fused(_silu_mul_backward, g)(dyt @ wd, g, u)            # dh = dy W_down
+            torch.mm(dg, wg, out=dxt)
+            dxt.addmm_(du, wu)                                               # dx = dg W_gate + du W_up
+            addmm_fp32_(dwg, dg.T, xt)
+            addmm_fp32_(dwu, du.T, xt)
+        return dx.view(x.shape), None, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype)
 
 
 class MLP(nn.Module):
@@ -342,8 +397,10 @@ class HostOffload:
 
     def save(self, key, x):
         buf = self.host.get(key)
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = self.host[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
+        if buf is None or buf.shape != x.shape or buf.stride() != x.stride() or buf.dtype != x.dtype:
+            # x's own memory layout (e.g. attention output in [B, T, H, D] order seen as [B, H, T, D]): the copy
+            # is then one flat transfer, with no contiguous temporary on the GPU
+            buf = self.host[key] = torch.empty_like(x, device="cpu", pin_memory=x.is_cuda)
         stream = self._side_stream(x.device)
         if stream is None:
             buf.copy_(x)
@@ -358,9 +415,14 @@ class HostOffload:
         stream = self._side_stream(device)
         if stream is None:
             return buf.clone(), None
+        # Allocated on the compute stream, filled on the side stream. Memory of the compute stream is reused in
+        # stream order: however far the CPU runs ahead in backward, only the blocks the GPU is at hold fetched
+        # tensors. (Allocated on the side stream, each would stay reserved until the compute stream caught up,
+        # and with the CPU ~3 blocks ahead that was 3.3 GiB more at the Qwen3-4B/131k peak.)
+        x = torch.empty_like(buf, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            x = buf.to(device, non_blocking=True)
+            x.copy_(buf, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return x, event
@@ -370,9 +432,8 @@ class HostOffload:
         ahead = (key[0] - 1, key[1])  # backward runs the blocks in reverse order
         if ahead in self.host and ahead not in self.on_device:
             self.on_device[ahead] = self._fetch(ahead, device)
-        if event is not None:
+        if event is not None:  # the compute stream waits for the copy before any use (or free) of x
             torch.cuda.current_stream(device).wait_event(event)
-            x.record_stream(torch.cuda.current_stream(device))
         return x
 
     def host_bytes(self):
@@ -459,7 +520,8 @@ class Qwen3(nn.Module):
         h = self.norm(x)
         if labels is None:
             return h
-        return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
+        with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
+            return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
 
     def logits(self, input_ids, position_ids=None):
         """Full logits [B, T, V], for tests and short evaluation only."""

@@ -53,9 +53,11 @@ def _warn_once(msg):
 # (bench/ring_sim.py). cuDNN is the fastest on H100/H200; flash is the fallback where cuDNN refuses.
 def _attn_fwd(q, k, v, causal):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> out [B, Hq, Tq, D] in q.dtype, lse [B, Hq, Tq] fp32.
-    causal masks top-left aligned (query i sees keys 0..i); the ring only uses it with Tq == Tk."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    causal masks top-left aligned (query i sees keys 0..i); the ring only uses it with Tq == Tk.
+    The CUDA kernels take any layout with a contiguous last dim (the model passes [B, T, H, D] memory seen as
+    [B, H, T, D]; a .contiguous() here copied q, k, v and dout in every layer)."""
     if q.device.type == "cpu":
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
     try:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
@@ -69,11 +71,11 @@ def _attn_fwd(q, k, v, causal):
 def _attn_bwd(dout, q, k, v, out, lse, causal):
     """Gradients of one _attn_fwd call from its inputs, out (in q.dtype) and lse [B, Hq, Tq] fp32.
     -> dq [B, Hq, Tq, D], dk/dv [B, Hkv, Tk, D], in q.dtype."""
-    dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
     if q.device.type == "cpu":
+        dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
-    tq, tk = q.shape[2], k.shape[2]
+    tq, tk, lse = q.shape[2], k.shape[2], lse.contiguous()
     rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout seed/offset: unused at p = 0
     try:
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -148,7 +150,7 @@ class _Ring:
 
 
 def _ring_fwd(q, k, v, group):
-    """q [B, Hq, T, D], k/v [B, Hkv, T, D], contiguous and zigzag-sharded over group.
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D] (contiguous when world > 1: they are sent), zigzag-sharded over group.
     -> out [B, Hq, T, D] fp32 (q.dtype when world is 1), lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:  # one device: the kernel's own output, no fp32 merge buffer
@@ -197,10 +199,15 @@ def _ring_bwd(dout, q, k, v, out, lse, group):
     return dq, dk, dv
 
 
+def _sendable(k, v, group):
+    """K/V travel round the ring, and NCCL/gloo send contiguous tensors only; a ring of one sends nothing."""
+    return (k, v) if dist.get_world_size(group) == 1 else (k.contiguous(), v.contiguous())
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # sent as they are; kernels want it too
+        k, v = _sendable(k, v, group)
         out, lse = _ring_fwd(q, k, v, group)
         out = out.to(q.dtype)  # the backward kernels take out in their own dtype
         ctx.save_for_backward(q, k, v, out, lse)
@@ -210,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_bwd(dout.contiguous(), q, k, v, out, lse, ctx.group)
+        dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, ctx.group)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -255,13 +262,12 @@ class RingAttention:
     def fwd(self, q, k, v):
         """-> out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] fp32."""
         _check(q, k, v, self.group)
-        out, lse = _ring_fwd(q.contiguous(), k.contiguous(), v.contiguous(), self.group)
+        out, lse = _ring_fwd(q, *_sendable(k, v, self.group), self.group)
         return out.to(q.dtype), lse
 
     def bwd(self, dout, q, k, v, out, lse):
         """-> dq, dk, dv in the inputs' dtype."""
-        dq, dk, dv = _ring_bwd(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
-                               self.group)
+        dq, dk, dv = _ring_bwd(dout, q, *_sendable(k, v, self.group), out, lse, self.group)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

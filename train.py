@@ -64,6 +64,8 @@ class TrainConfig:
     save_dir: str = ""            # "" = no final save; else an HF-format folder
     ckpt_every: int = 0           # every N steps, a resumable checkpoint in out_dir/checkpoint (0 = never)
     resume: str = ""              # a checkpoint folder to continue from (weights, optimizer, data position, step)
+    profile_step: int = 0         # >0: trace this step with torch.profiler (+ CUDA memory history) into
+                                  # out_dir/profile/; bench/profile_step.py summarises it. The step runs slower
 
 
 PRESETS = {
@@ -127,6 +129,8 @@ def check_config(cfg: TrainConfig, world: int):
     need(not cfg.resume or os.path.isfile(os.path.join(cfg.resume, "trainer.json")),
          f"--resume {cfg.resume}: not a checkpoint folder (no trainer.json); use out_dir/checkpoint of a run "
          "made with --ckpt_every")
+    need(0 <= cfg.profile_step <= cfg.max_steps, f"--profile_step {cfg.profile_step}: 0 (off) or a step in "
+         f"1..--max_steps; the first step includes warm-up, so 2 is the usual choice")
     need(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
     need(not cfg.tiled_mlp or cfg.mlp_tile >= 1, "--mlp_tile must be >= 1 when --tiled_mlp true")
     need(cfg.yarn_factor == 0 or (cfg.yarn_factor >= 1 and cfg.yarn_original_max_position_embeddings >= 1),
@@ -225,6 +229,23 @@ def check_host_memory(cfg, mcfg, cp, dtype, log):
                          "context parallelism (--cp), or --offload false")
 
 
+def init_optimizer_state(opt):
+    """Allocate AdamW's states now rather than in the first step: one step with zero gradients at lr 0 (which
+    changes no weight), then its step count rewound. The first step's peak memory is then the run's, and a
+    run that does not fit stops in step 1, not in step 2."""
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for state in opt.state.values():
+        state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup over warmup_steps, then cosine down to lr * min_lr_ratio at max_steps (steps from 1)."""
     if step <= cfg.warmup_steps:
@@ -282,6 +303,28 @@ def offload_bytes(model) -> int:
     return model.layers[0].offload.host_bytes() if model.layers[0].offload is not None else 0
 
 
+def profile_begin(cfg: TrainConfig):
+    """Start torch.profiler (and, on CUDA, the allocator's event history) for one step."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cfg.device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    prof = torch.profiler.profile(activities=acts)
+    prof.start()
+    return prof
+
+
+def profile_end(prof, cfg: TrainConfig, rank: int, log):
+    prof.stop()
+    d = os.path.join(cfg.out_dir, "profile")
+    os.makedirs(d, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(d, f"trace_rank{rank}.json"))
+    if cfg.device == "cuda":
+        torch.cuda.memory._dump_snapshot(os.path.join(d, f"memory_rank{rank}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
+    log(f"profile of step {cfg.profile_step} written to {d} (summary: python bench/profile_step.py --dir {d})")
+
+
 def main(argv):
     t_start = time.time()
     cfg = parse_args(argv)
@@ -333,6 +376,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         check_host_memory(cfg, mcfg, cp, dtype, log)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
+    init_optimizer_state(opt)
 
     # Data: made once per context-parallel group (on its first rank) and broadcast to the rest of the group.
     loader = None
@@ -384,6 +428,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         t0 = time.time()
         if cfg.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        prof = profile_begin(cfg) if step == cfg.profile_step else None
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -407,6 +452,8 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = (loss_sum / count).item()  # syncs: the step's time below is real
+        if prof is not None:
+            profile_end(prof, cfg, rank, log)
         if step == first:
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
         dt = time.time() - t0

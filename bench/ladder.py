@@ -2,13 +2,14 @@
 sequence one GPU trains. Runs train.py (through bench/train_steps.py) once per point; a point that runs out of
 memory is recorded as such. Writes JSON and a PNG plot.
 
-    python bench/ladder.py                                    # Qwen3-4B, 32k..256k, 5 rungs (GPU, long)
-    python bench/ladder.py --longest                          # + double the length with every lever on until OOM
+    python bench/ladder.py                                    # Qwen3-1.7B, 32k..128k, 5 rungs (GPU, ~8 min)
+    python bench/ladder.py --model qwen3-4b --rungs 0 --longest 262144 --extra "--keep_attention false"
     python bench/ladder.py --small                            # tiny model on CPU: exercises the script only
 
 Rungs (each adds one lever to the one before; block checkpointing is on in all of them, as in the reference):
 plain (the loss over all rows at once, i.e. full logits) -> chunked loss -> offload to host -> tiled MLP ->
-keep attention (no attention recompute). Two steps per point, so the AdamW states are in the peak.
+keep attention (no attention recompute). One step per point: train.py allocates the AdamW states before the
+first step, so its peak is the run's. --longest L1,L2,...: those lengths with every lever on (+ --extra).
 """
 import argparse
 import json
@@ -36,10 +37,11 @@ def point(model, seq, extra, args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-4b")
-    ap.add_argument("--seqs", default="32768,65536,131072,262144")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--longest", action="store_true", help="then double the length (all levers) until it fails")
+    ap.add_argument("--model", default="qwen3-1.7b")
+    ap.add_argument("--seqs", default="32768,65536,131072")
+    ap.add_argument("--rungs", type=int, default=len(RUNGS), help="how many rungs of the ladder to run")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--longest", default="", help="comma-separated lengths to try with every lever on")
     ap.add_argument("--small", action="store_true", help="tiny model on CPU, to check the script")
     ap.add_argument("--extra", default="")
     ap.add_argument("--timeout", type=int, default=1200)
@@ -47,28 +49,23 @@ def main():
     args = ap.parse_args()
     if args.small:
         args.model, args.seqs, args.extra = "tiny", "256,512", args.extra + " --device cpu --dtype float32"
+        args.longest = args.longest or "1024"
     seqs = [int(s) for s in args.seqs.split(",")]
     results = []
-    for name, extra in RUNGS:
+    for name, extra in RUNGS[:args.rungs]:
         for seq in seqs:
             results.append(dict(point(args.model, seq, extra, args), rung=name))
             if results[-1].get("error"):
                 break  # longer sequences of this rung will not fit either
-    if args.longest:
-        seq = seqs[-1]
-        while True:
-            seq *= 2
-            r = dict(point(args.model, seq, RUNGS[-1][1], args), rung="longest")
-            results.append(r)
-            if r.get("error"):
-                break
+    for seq in [int(s) for s in args.longest.split(",") if s]:
+        results.append(dict(point(args.model, seq, RUNGS[-1][1], args), rung="longest"))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
-    print(f"\n{'rung':<18}{'tokens':>9}{'peak GiB':>10}{'s/step':>9}")
+    print(f"\n{'rung':<18}{'tokens':>9}{'peak GiB':>10}{'s, step 1':>11}  (step 1 includes warm-up)")
     for r in results:
         cell = "OOM" if r.get("oom") else ("failed" if r.get("error") else f"{r['peak_mem_gib']:.1f}")
-        print(f"{r['rung']:<18}{r['seq_len']:>9}{cell:>10}{r.get('s_per_step', float('nan')):>9.2f}")
+        print(f"{r['rung']:<18}{r['seq_len']:>9}{cell:>10}{r.get('s_per_step', float('nan')):>11.2f}")
     fits = [r["seq_len"] for r in results if r["rung"] in ("longest", RUNGS[-1][0]) and "error" not in r]
     if fits:
         print(f"longest sequence trained with every lever on: {max(fits):,} tokens")

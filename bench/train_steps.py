@@ -36,7 +36,7 @@ def run_one(model, seq_len, steps, extra, out_root, timeout):
     timed = rows[1:] or rows
     t = statistics.median(r["step_time_s"] for r in timed)
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]  # None on CPU
-    return dict(model=model, seq_len=seq_len, extra=extra, s_per_step=t, tokens_per_s=seq_len / t,
+    return dict(model=model, seq_len=seq_len, extra=extra, out_dir=out, s_per_step=t, tokens_per_s=seq_len / t,
                 mfu=statistics.median(mfu) if mfu else 0.0,
                 peak_mem_gib=max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30,
                 host_offload_gib=rows[-1].get("offload_host_gb", 0) * 1e9 / 2**30, loss=rows[-1]["loss"])

@@ -106,9 +106,10 @@ def test_rmsnorm_matches_autograd_of_the_formula(dtype, tol):
 
 # --- the model against a naive forward -------------------------------------------------------
 
-def naive_forward(m, ids, pos):
-    """Qwen3 written out with explicit masks, repeated K/V and complex-number RoPE."""
-    cfg, sd = m.cfg, {k: v.double() for k, v in m.state_dict().items()}
+def naive_forward(m, ids, pos, sd=None):
+    """Qwen3 written out with explicit masks, repeated K/V and complex-number RoPE; sd: the weights (float64),
+    by default m's."""
+    cfg, sd = m.cfg, sd or {k: v.double() for k, v in m.state_dict().items()}
     inv, factor = yarn_oracle(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling["factor"],
                               cfg.rope_scaling["original_max_position_embeddings"]) if cfg.rope_scaling else \
         (torch.tensor([cfg.rope_theta ** (-2 * i / cfg.head_dim) for i in range(cfg.head_dim // 2)],
@@ -158,6 +159,22 @@ def test_model_matches_naive_forward(kv, yarn, tied):
     zpos = torch.cat([torch.arange(0, 7), torch.arange(30, 37)])
     ref = torch.stack([naive_forward(m, ids[b, :14], zpos) for b in range(2)])
     torch.testing.assert_close(m.logits(ids[:, :14], zpos.expand(2, 14)), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_model_gradients_match_naive():
+    """Every backward of ours (RoPE, RMSNorm, the tiled MLP's, the loss's) against autograd of the naive model."""
+    cfg = tiny(num_attention_heads=6, num_key_value_heads=2).with_yarn(4.0, 16)
+    m = random_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 29))
+    labels = torch.randint(0, cfg.vocab_size, (1, 29))
+    sd = {k: v.double().requires_grad_() for k, v in m.state_dict().items()}
+    ref = F.cross_entropy(naive_forward(m, ids[0], torch.arange(29), sd), labels[0], reduction="sum")
+    ref_grads = dict(zip(sd, torch.autograd.grad(ref, list(sd.values()))))
+    for levers in (dict(checkpoint=False), dict(checkpoint=True, mlp_tile=8)):
+        loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=0)  # loss_sum is fp32
+        for n, g in ref_grads.items():  # the loss's softmax runs in fp32 even for a float64 model: ~1e-8
+            assert ((grads[n] - g).norm() / g.norm()).item() < 1e-6, n
 
 
 def test_loss_inside_forward_equals_cross_entropy():
@@ -362,3 +379,13 @@ def test_hub_download_path(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ConnectionError, match="could not download 'Qwen/Qwen3-Tiny'.*--model"):
         Qwen3.from_pretrained("Qwen/Qwen3-Tiny")
+
+
+def test_host_offload_keeps_the_memory_layout():
+    """A kept tensor in [B, T, H, D] memory seen as [B, H, T, D] comes back equal and in the same layout (the
+    attention kernels then read it without a copy)."""
+    off = M.HostOffload()
+    x = torch.randn(2, 9, 4, 8).transpose(1, 2)
+    off.save((0, "out"), x)
+    y = off.load((0, "out"), x.device)
+    assert torch.equal(y, x) and y.stride() == x.stride()

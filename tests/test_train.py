@@ -122,3 +122,22 @@ def test_model_that_is_not_full_attention_is_refused(tmp_path):
     (tmp_path / "swa" / "config.json").write_text(json.dumps(cfg))
     p, _ = run(tmp_path, 2, "--model", str(tmp_path / "swa"), check=False, timeout=120)
     assert p.returncode != 0 and "sliding" in p.stderr, p.stderr[-3000:]
+
+
+def test_optimizer_states_made_up_front_change_nothing():
+    """init_optimizer_state (AdamW's states allocated before the first step) leaves every later step bit-equal."""
+    from train import init_optimizer_state
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(7, 5)
+    pre = torch.nn.Linear(7, 5)
+    pre.load_state_dict(ref.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1) for m in (ref, pre)]
+    init_optimizer_state(opts[1])
+    assert len(opts[1].state) == 2 and torch.equal(pre.weight, ref.weight)
+    for _ in range(3):
+        x = torch.randn(4, 7)
+        for m, opt in zip((ref, pre), opts):
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert torch.equal(pre.weight, ref.weight) and torch.equal(pre.bias, ref.bias)

@@ -1,0 +1,153 @@
+"""Where one training step's time and memory go: runs train.py with --profile_step, then summarises the
+torch.profiler trace (GPU time per kind of kernel, idle time, the largest kernels) and the CUDA allocator's
+history (what is alive at the step's peak, grouped by the line of our code that allocated it).
+
+    python bench/profile_step.py --run qwen3-4b:131072                   # step 2 timed, step 3 profiled
+    python bench/profile_step.py --run qwen3-1.7b:131072 --extra "--keep_attention false"
+    python bench/profile_step.py --dir runs/x/profile                   # summarise an existing profile
+
+Kinds of kernel, by name: attention (cuDNN/flash SDPA), matmul (cuBLAS/CUTLASS GEMMs), optimizer (fused AdamW),
+copy (host<->device and device copies), loss (any kernel launched inside the `chunked_nll` range, matmuls
+included), other (elementwise, norms, reductions). Writes summary.json next to the trace.
+"""
+import argparse
+import collections
+import gzip
+import json
+import os
+import pickle
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_steps import run_one  # noqa: E402
+
+KINDS = [("attention", r"sdpa|fmha|flash|attention|cudnn"), ("optimizer", r"adam|multi_tensor"),
+         ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_.*tn|splitk")]
+OUR_FILES = ("model.py", "loss.py", "parallel.py", "train.py")
+
+
+def union_us(intervals):
+    total, end = 0.0, -1e30
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def summarise_trace(path):
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
+        events = json.load(fh)["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    # kernels launched inside the loss's range: match each kernel to its launch (same correlation id) on the CPU
+    loss_ranges = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
+                   if e.get("ph") == "X" and e.get("name") == "chunked_nll" and e.get("cat") == "user_annotation"]
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for k in kernels:
+        name = k["name"]
+        t = launch_ts.get(k.get("args", {}).get("correlation"))
+        if k["cat"] != "kernel":
+            kind = "copy"
+        elif t is not None and any(s <= t <= e for s, e, _ in loss_ranges):
+            kind = "loss"
+        else:
+            kind = next((kd for kd, pat in KINDS if re.search(pat, name, re.I)), "other")
+        by_kind[kind] += k["dur"]
+        by_name[(kind, name[:90])] += k["dur"]
+    compute = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if k["cat"] == "kernel"]
+    if not compute:
+        raise SystemExit(f"{path}: no GPU kernels in this trace (a CPU run?); open it in chrome://tracing instead")
+    span = max(e for _, e in compute) - min(s for s, _ in compute)
+    busy = union_us(compute)
+    return dict(span_s=span / 1e6, compute_busy_s=busy / 1e6, idle_s=(span - busy) / 1e6,
+                by_kind_s={k: v / 1e6 for k, v in by_kind.most_common()},
+                top_kernels=[(kind, n, v / 1e6) for (kind, n), v in by_name.most_common(15)])
+
+
+def where(frames):
+    """The innermost frame in our own files, else the innermost Python frame."""
+    for f in frames:
+        if os.path.basename(f["filename"]) in OUR_FILES:
+            return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+    py = [f for f in frames if f["filename"].endswith(".py")]
+    return f"{os.path.basename(py[0]['filename'])}:{py[0]['line']} {py[0]['name']}" if py else "?"
+
+
+def summarise_memory(path):
+    """Replay the allocator's events: find the peak, then what is alive there, by allocating line."""
+    snap = pickle.load(open(path, "rb"))
+    trace = snap["device_traces"][0]
+    traced = {e["addr"] for e in trace if e["action"] == "alloc"}
+    # alive before recording began: untraced blocks still alive at the end + untraced blocks freed in the step
+    before = 0
+    for seg in snap["segments"]:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and b.get("address", addr) not in traced:
+                before += b["size"]
+            addr += b["size"]
+    before += sum(e["size"] for e in trace if e["action"] == "free_completed" and e["addr"] not in traced)
+    total, peak, peak_i = 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            total += e["size"]
+        elif e["action"] == "free_completed":
+            total -= e["size"]
+        if total > peak:
+            peak, peak_i = total, i
+    live = {}
+    for e in trace[:peak_i + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups = collections.Counter()
+    for e in live.values():
+        groups[where(e.get("frames", []))] += e["size"]
+    gib = 2**30
+    return dict(before_step_gib=before / gib, peak_in_step_gib=peak / gib, peak_total_gib=(before + peak) / gib,
+                at_peak_gib=[(w, b / gib) for w, b in groups.most_common(20)])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", default="qwen3-4b:131072", help="model:seq_len (a folder under bench/configs)")
+    ap.add_argument("--dir", default="", help="summarise this existing profile folder instead of running")
+    ap.add_argument("--extra", default="")
+    ap.add_argument("--timeout", type=int, default=900)
+    a = ap.parse_args()
+    d = a.dir
+    if not d:
+        model, seq = a.run.split(":")
+        r = run_one(model, int(seq), 3, a.extra + " --profile_step 3", "/tmp/profile_runs", a.timeout)
+        if "error" in r:
+            raise SystemExit(r["error"])
+        d = os.path.join(r["out_dir"], "profile")
+        rows = [json.loads(line) for line in open(os.path.join(r["out_dir"], "metrics.jsonl"))]
+        print(f"step 2 (not profiled): {rows[1]['step_time_s']:.2f} s, peak {rows[1]['peak_mem_gb'] / 1.073741824:.2f} GiB")
+    out = dict(trace=summarise_trace(os.path.join(d, "trace_rank0.json")))
+    mem = os.path.join(d, "memory_rank0.pickle")
+    if os.path.exists(mem):
+        out["memory"] = summarise_memory(mem)
+    t = out["trace"]
+    print(f"\nGPU span {t['span_s']:.2f} s: kernels busy {t['compute_busy_s']:.2f} s, idle {t['idle_s']:.2f} s")
+    for k, v in t["by_kind_s"].items():
+        print(f"  {k:<10}{v:8.2f} s  {v / t['span_s']:6.1%}")
+    print("largest kernels:")
+    for kind, name, v in t["top_kernels"]:
+        print(f"  {v:8.3f} s  {kind:<9} {name}")
+    if "memory" in out:
+        m = out["memory"]
+        print(f"\nmemory: {m['before_step_gib']:.2f} GiB alive before the step (weights, AdamW states), "
+              f"+{m['peak_in_step_gib']:.2f} GiB at the step's peak = {m['peak_total_gib']:.2f} GiB; alive then:")
+        for w, g in m["at_peak_gib"]:
+            print(f"  {g:8.3f} GiB  {w}")
+    with open(os.path.join(d, "summary.json"), "w") as fh:
+        json.dump(out, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

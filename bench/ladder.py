@@ -28,10 +28,15 @@ RUNGS = [
 ]
 
 
-def point(model, seq, extra, args):
+def point(model, seq, extra, args, results, rung):
     r = run_one(model, seq, args.steps, extra + " " + args.extra, "/tmp/ladder_runs", args.timeout)
     if "error" in r:
         r["oom"] = "out of memory" in r["error"].lower()
+    r["rung"] = rung
+    results.append(r)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:  # after every point: a run cut short keeps what it measured
+        json.dump(results, fh, indent=2)
     return r
 
 
@@ -54,12 +59,10 @@ def main():
     results = []
     for name, extra in RUNGS[:args.rungs]:
         for seq in seqs:
-            results.append(dict(point(args.model, seq, extra, args), rung=name))
-            if results[-1].get("error"):
+            if point(args.model, seq, extra, args, results, name).get("error"):
                 break  # longer sequences of this rung will not fit either
     for seq in [int(s) for s in args.longest.split(",") if s]:
-        results.append(dict(point(args.model, seq, RUNGS[-1][1], args), rung="longest"))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        point(args.model, seq, RUNGS[-1][1], args, results, "longest")
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
     print(f"\n{'rung':<18}{'tokens':>9}{'peak GiB':>10}{'s, step 1':>11}  (step 1 includes warm-up)")

@@ -50,7 +50,10 @@ class TrainConfig:
     grad_clip: float = 1.0        # 0 = no clipping (the norm is still logged)
     seed: int = 0
     device: str = "cuda"          # cuda | cpu
-    dtype: str = "bfloat16"       # parameters and compute: bfloat16 | float32 (gradients reduce in fp32)
+    dtype: str = "bfloat16"       # compute: activations, and the weights as gathered for compute
+    param_dtype: str = "float32"  # the sharded weights, their gradients and AdamW states (and --save_dir's files).
+                                  # bfloat16 halves their memory, but an AdamW update below bf16's resolution
+                                  # (~1/256 of the weight) is lost: at lr 1e-5 most weights would never move
     checkpoint: bool = True       # recompute each block in backward, keeping only its input
     offload: bool = True          # keep those inputs in pinned host memory
     offload_layers: int = 0       # offload only the first N blocks' inputs (0 = all): when host RAM is short
@@ -114,7 +117,8 @@ def check_config(cfg: TrainConfig, world: int):
             raise SystemExit(f"error: {msg}")
     need(cfg.device in ("cuda", "cpu"), f"--device {cfg.device}: use cuda or cpu")
     need(cfg.device == "cpu" or torch.cuda.is_available(), "--device cuda but no GPU is visible; use --device cpu")
-    need(cfg.dtype in ("bfloat16", "float32"), f"--dtype {cfg.dtype}: use bfloat16 or float32")
+    for key in ("dtype", "param_dtype"):
+        need(getattr(cfg, key) in ("bfloat16", "float32"), f"--{key} {getattr(cfg, key)}: use bfloat16 or float32")
     need(cfg.cp >= 0, f"--cp {cfg.cp}: must be >= 1 (or 0 for the world size)")
     cp = cfg.cp or world
     need(world % cp == 0, f"--cp {cp} does not divide the world size {world}; data parallel = world / cp")
@@ -186,21 +190,22 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     mcfg = Qwen3Config.tiny() if path is None else Qwen3Config.from_pretrained(path)
     if cfg.yarn_factor:
         mcfg.with_yarn(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
+    pdtype = getattr(torch, cfg.param_dtype)
     with torch.device("meta"):
-        model = Qwen3(mcfg, attn_fn).to(dtype)
+        model = Qwen3(mcfg, attn_fn).to(pdtype)
     names = list(model.state_dict())  # before sharding: reading an FSDP module's state dict is collective
     model.set_levers(checkpoint=cfg.checkpoint, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0,
                      offload_layers=cfg.offload_layers, keep_attention=cfg.keep_attention)
-    shard_model(model, mesh, param_dtype=dtype)
+    shard_model(model, mesh, param_dtype=dtype)  # FSDP2 gathers the pdtype shards as dtype for compute
     model.to_empty(device=device)
 
     def full_state_dict():
-        sd = load_hf_state_dict(path, names, dtype) if path else None
+        sd = load_hf_state_dict(path, names, pdtype) if path else None
         if sd is None:  # same draw for any world size: the cp-equivalence of runs depends on it
             if path:
                 warnings.warn(f"{path} has no *.safetensors: training from random initialisation")
             with torch.device(device):
-                ref = Qwen3(mcfg).to(dtype)
+                ref = Qwen3(mcfg).to(pdtype)
             ref.init_weights(torch.Generator(device).manual_seed(cfg.seed))
             sd = ref.state_dict()
         return sd
@@ -374,6 +379,10 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
         f"rope_scaling {mcfg.rope_scaling}")
     if cfg.offload:
         check_host_memory(cfg, mcfg, cp, dtype, log)
+    if cfg.param_dtype == "bfloat16":
+        log(f"warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
+            f"1/256 of a weight rounds away, and at --lr {cfg.lr:g} most weights will not move. Use float32 "
+            "unless you are matching a bf16 recipe (as bench/ does, for the single-GPU reference)")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
     init_optimizer_state(opt)

@@ -3,6 +3,9 @@
     python bench/train_steps.py                                   # the table of the README
     python bench/train_steps.py --runs qwen3-1.7b:32768 --steps 3 --extra "--offload false"
 
+Weights and AdamW states are bf16 (--param_dtype bfloat16), as in the reference recipe's single-GPU run that the
+README compares with; --extra "--param_dtype float32" gives train.py's default (fp32 master weights: 8 more bytes
+per parameter, 30 GiB more for Qwen3-4B on one GPU, 1/world of that under FSDP2).
 Each run is `torchrun --nproc_per_node 1 train.py ...` in its own process (so peak memory is per run); the step
 time is the median of the steps after the first (which includes compilation and warm-up). MFU counts useful
 FLOPs only (6 per parameter per token + causal attention, no recompute) against 989 TFLOP/s dense bf16.
@@ -23,12 +26,14 @@ def run_one(model, seq_len, steps, extra, out_root, timeout):
            os.path.join(ROOT, "train.py"),
            "--model", model if model == "tiny" else os.path.join(ROOT, "bench", "configs", model),
            "--tokenizer", "byte", "--data", "synthetic", "--seq_len", str(seq_len), "--max_steps", str(steps),
-           "--cp", "1", "--out_dir", out, *extra.split()]
+           "--cp", "1", "--param_dtype", "bfloat16", "--out_dir", out, *extra.split()]
     print("$", " ".join(cmd[4:]), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-4000:])
-        return dict(model=model, seq_len=seq_len, extra=extra, error=p.stderr[-500:])
+        # train.py's own message ("error: ..."), not torchrun's summary that follows it
+        said = [line for line in p.stderr.splitlines() if line.startswith("error")]
+        return dict(model=model, seq_len=seq_len, extra=extra, error=" | ".join(said) or p.stderr[-500:])
     for line in p.stdout.splitlines():
         if line.startswith(("step", "offload", "time to first")):
             print("   ", line)

@@ -141,3 +141,22 @@ def test_optimizer_states_made_up_front_change_nothing():
             opt.step()
             opt.zero_grad(set_to_none=True)
         assert torch.equal(pre.weight, ref.weight) and torch.equal(pre.bias, ref.bias)
+
+
+def test_float32_master_weights_take_updates_that_bf16_weights_lose(tmp_path):
+    """bf16 compute on both runs; --param_dtype float32 (the default) keeps the sharded weights and AdamW
+    states in fp32. At lr 1e-5 one AdamW step moves every weight with a gradient by ~1e-5: the fp32 weights
+    all take it, while bf16 weights mostly round it away (their resolution is ~1/256 of the weight)."""
+    from model import Qwen3, Qwen3Config
+    from safetensors.torch import load_file
+    changed = {}
+    for pd in ("float32", "bfloat16"):
+        run(tmp_path, 2, "--dtype", "bfloat16", "--param_dtype", pd, "--lr", "1e-5", "--warmup_steps", "0",
+            "--max_steps", "1", "--save_dir", str(tmp_path / pd))
+        init = Qwen3(Qwen3Config.tiny()).to(getattr(torch, pd))  # the random init train.py draws (--seed 0)
+        init.init_weights(torch.Generator("cpu").manual_seed(0))
+        before = {n: init.state_dict()[n] for n in ("layers.0.mlp.up_proj.weight", "layers.1.self_attn.q_proj.weight")}
+        after = load_file(str(tmp_path / pd / "model.safetensors"))
+        assert all(after[f"model.{n}"].dtype == getattr(torch, pd) for n in before)
+        changed[pd] = sum((after[f"model.{n}"] != w).float().mean().item() for n, w in before.items()) / len(before)
+    assert changed["float32"] > 0.99 and changed["bfloat16"] < 0.5, changed

@@ -414,9 +414,9 @@ class HostOffload:
             buf.copy_(x, non_blocking=True)
             self.copied[key[0]] = stream.record_event()
         x.record_stream(stream)  # the allocator must not hand x's memory out before the copy has read it
-        # The CPU waits for the copies of two blocks back. Unchecked, it queued ~20 blocks' forward ahead of the
-        # GPU, and every queued block's kept tensors stayed reserved until their copy ran: 21 GiB at the
-        # Qwen3-4B/131k forward, the step's peak. Two blocks back still keeps the GPU fed.
+        # The CPU waits for the copies of two blocks back. Unchecked, it queued ~13 blocks' forward ahead of the
+        # GPU, and each queued block's kept tensors, though freed, could not be reused until their copy ran: the
+        # allocator held 21 GiB of them at the Qwen3-4B/131k forward (bench/NOTES.md). Two back keeps the GPU fed.
         earlier = self.copied.pop(key[0] - 2, None)
         if earlier is not None:
             earlier.synchronize()
@@ -429,7 +429,7 @@ class HostOffload:
         # Allocated on the compute stream, filled on the side stream. Memory of the compute stream is reused in
         # stream order: however far the CPU runs ahead in backward, only the blocks the GPU is at hold fetched
         # tensors. (Allocated on the side stream, each would stay reserved until the compute stream caught up,
-        # and with the CPU ~3 blocks ahead that was 3.3 GiB more at the Qwen3-4B/131k peak.)
+        # and with the CPU ~3 blocks ahead that was 3.3 GiB more in the Qwen3-4B/131k backward: bench/NOTES.md.)
         x = torch.empty_like(buf, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -484,7 +484,8 @@ class _Checkpoint(torch.autograd.Function):
         x, replay = kept[0], (kept[1:] or None)
         with torch.enable_grad():
             x = x.detach().requires_grad_()
-            # the recomputed output's value is never read: the tiled MLP skips its forward (-1.1 s at 4B/131k)
+            # the recomputed output's value is never read, so the tiled MLP skips its forward (its backward
+            # recomputes per tile anyway): one MLP forward less per block
             y = block.body(x, cos, sin, ctx.attn_fn, replay=replay, grad_only=True)
             torch.autograd.backward(y, dy)
         return x.grad, None, None, None, None

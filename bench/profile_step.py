@@ -43,8 +43,9 @@ def summarise_trace(path):
     # kernels launched inside the loss's range: match each kernel to its launch (same correlation id) on the CPU
     loss_ranges = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
                    if e.get("ph") == "X" and e.get("name") == "chunked_nll" and e.get("cat") == "user_annotation"]
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events  # runtime and driver API launches (Triton, cuBLAS)
+                 if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+                 and "correlation" in e.get("args", {})}
     by_kind, by_name = collections.Counter(), collections.Counter()
     for k in kernels:
         name = k["name"]
@@ -77,7 +78,11 @@ def where(frames):
 
 
 def summarise_memory(path):
-    """Replay the allocator's events: find the peak, then what is alive there, by allocating line."""
+    """Replay the allocator's events: find the step's peak, then what is alive there, by allocating line.
+
+    Two counts: "allocated" drops when a tensor is freed (as torch.cuda.max_memory_allocated counts); "held"
+    drops only when the memory can be reused, which for a tensor used on another stream (record_stream) is
+    later, once that stream's work is done. Held memory is what the allocator must reserve."""
     snap = pickle.load(open(path, "rb"))
     trace = snap["device_traces"][0]
     traced = {e["addr"] for e in trace if e["action"] == "alloc"}
@@ -90,26 +95,28 @@ def summarise_memory(path):
                 before += b["size"]
             addr += b["size"]
     before += sum(e["size"] for e in trace if e["action"] == "free_completed" and e["addr"] not in traced)
-    total, peak, peak_i = 0, 0, -1
-    for i, e in enumerate(trace):
-        if e["action"] == "alloc":
-            total += e["size"]
-        elif e["action"] == "free_completed":
-            total -= e["size"]
-        if total > peak:
-            peak, peak_i = total, i
-    live = {}
-    for e in trace[:peak_i + 1]:
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-        elif e["action"] == "free_completed":
-            live.pop(e["addr"], None)
-    groups = collections.Counter()
-    for e in live.values():
-        groups[where(e.get("frames", []))] += e["size"]
-    gib = 2**30
-    return dict(before_step_gib=before / gib, peak_in_step_gib=peak / gib, peak_total_gib=(before + peak) / gib,
-                at_peak_gib=[(w, b / gib) for w, b in groups.most_common(20)])
+    gib, out = 2**30, dict(before_step_gib=before / 2**30)
+    for kind, freed in (("allocated", "free_requested"), ("held", "free_completed")):
+        total, peak, peak_i = 0, 0, -1
+        for i, e in enumerate(trace):
+            if e["action"] == "alloc":
+                total += e["size"]
+            elif e["action"] == freed:
+                total -= e["size"]
+            if total > peak:
+                peak, peak_i = total, i
+        live = {}
+        for e in trace[:peak_i + 1]:
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+            elif e["action"] == freed:
+                live.pop(e["addr"], None)
+        groups = collections.Counter()
+        for e in live.values():
+            groups[where(e.get("frames", []))] += e["size"]
+        out[kind] = dict(peak_in_step_gib=peak / gib, peak_total_gib=(before + peak) / gib,
+                         at_peak_gib=[(w, b / gib) for w, b in groups.most_common(12)])
+    return out
 
 
 def main():
@@ -139,10 +146,11 @@ def main():
     print("largest kernels:")
     for kind, name, v in t["top_kernels"]:
         print(f"  {v:8.3f} s  {kind:<9} {name}")
-    if "memory" in out:
-        m = out["memory"]
-        print(f"\nmemory: {m['before_step_gib']:.2f} GiB alive before the step (weights, AdamW states), "
-              f"+{m['peak_in_step_gib']:.2f} GiB at the step's peak = {m['peak_total_gib']:.2f} GiB; alive then:")
+    for kind, m in out.get("memory", {}).items():
+        if kind == "before_step_gib":
+            continue
+        print(f"\nmemory {kind}: {out['memory']['before_step_gib']:.2f} GiB alive before the step (weights, "
+              f"AdamW states) + {m['peak_in_step_gib']:.2f} GiB at the step's peak = {m['peak_total_gib']:.2f} GiB:")
         for w, g in m["at_peak_gib"]:
             print(f"  {g:8.3f} GiB  {w}")
     with open(os.path.join(d, "summary.json"), "w") as fh:

@@ -106,6 +106,8 @@ def test_resume_continues_exactly(tmp_path):
     (2, ["--model", "/nonexistent/qwen"], "no such folder"),
     (2, ["--data", "/nonexistent/books.txt"], "books.txt"),
     (2, ["--resume", "/nonexistent/ckpt"], "not a checkpoint folder"),
+    (1, ["--param_dtype", "float16"], "--param_dtype float16: use bfloat16 or float32"),
+    (1, ["--profile_step", "4"], "--profile_step 4: 0 \\(off\\) or a step in 1..--max_steps"),
 ])
 def test_bad_input_stops_every_rank_with_a_message(tmp_path, nproc, args, msg):
     p, _ = run(tmp_path, nproc, *args, check=False, timeout=120)
@@ -160,3 +162,12 @@ def test_float32_master_weights_take_updates_that_bf16_weights_lose(tmp_path):
         assert all(after[f"model.{n}"].dtype == getattr(torch, pd) for n in before)
         changed[pd] = sum((after[f"model.{n}"] != w).float().mean().item() for n, w in before.items()) / len(before)
     assert changed["float32"] > 0.99 and changed["bfloat16"] < 0.5, changed
+
+
+def test_profile_step_writes_a_trace(tmp_path):
+    """--profile_step N traces step N (on CPU: operators only; bench/profile_step.py reads the GPU ones)."""
+    run(tmp_path, 2, "--profile_step", "2")
+    out = next(tmp_path.glob("run2_*"))
+    for rank in (0, 1):
+        events = json.load(open(out / "profile" / f"trace_rank{rank}.json"))["traceEvents"]
+        assert any(e.get("name") == "chunked_nll" for e in events)  # the loss's range is named

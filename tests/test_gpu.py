@@ -53,9 +53,14 @@ def test_offload_on_a_side_stream_gives_the_same_gradients():
             assert ((got[n] - ref[n]).norm() / ref[n].norm()).item() < 1e-5, n
 
 
-def test_ring_of_one_matches_sdpa(group_of_one):
-    q = torch.randn(1, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, 2, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+@pytest.mark.parametrize("bthd", [False, True])
+def test_ring_of_one_matches_sdpa(group_of_one, bthd):
+    """8 query heads over 2 K/V heads: the backward runs as 2 kernel calls of 4 query heads (parallel.py);
+    bthd: [B, T, H, D] memory seen as [B, H, T, D], as the model passes q, k, v."""
+    def make(h):
+        x = torch.randn(1, 1000, h, 64, device="cuda", dtype=torch.bfloat16)
+        return (x.transpose(1, 2) if bthd else x.transpose(1, 2).contiguous()).detach().requires_grad_()
+    q, k, v = make(8), make(2), make(2)
     dout = torch.randn_like(q)
     out = RingAttention(group_of_one)(q, k, v)  # the cuDNN kernel (flash where cuDNN refuses)
     got = torch.autograd.grad(out, (q, k, v), dout)

@@ -69,9 +69,10 @@ def summary(d):
             if "error" in r:
                 print(f"  {r['model']:<12}{r['seq_len']:>9}  failed: {r['error'][-120:]}")
                 continue
-            ref_s, ref_g = REFERENCE.get((r["model"], r["seq_len"]), (float("nan"),) * 2)
+            ref = REFERENCE.get((r["model"], r["seq_len"]))
+            ref = f"{ref[0]:8.2f}{ref[1]:9.1f}" if ref else f"{'-':>8}{'-':>9}"  # the reference was not measured
             print(f"  {r['model']:<12}{r['seq_len']:>9}{'':<21}{r['s_per_step']:8.2f}{r['tokens_per_s']:9,.0f}"
-                  f"{r['mfu']:7.1%}{r['peak_mem_gib']:10.1f}{r['host_offload_gib']:10.1f}{ref_s:8.2f}{ref_g:9.1f}")
+                  f"{r['mfu']:7.1%}{r['peak_mem_gib']:10.1f}{r['host_offload_gib']:10.1f}{ref}")
     ladder = load(d, "ladder")
     if ladder:
         seqs = sorted({r["seq_len"] for r in ladder})

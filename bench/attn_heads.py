@@ -9,28 +9,17 @@ so it counts dq/dk/dv and the kernel's workspace. Each group's gradients are che
 result (bf16: the fp32 accumulation order differs, so not bit-equal).
 """
 import argparse
+import functools
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from parallel import _attn_bwd, _attn_fwd  # noqa: E402
-
-
-def time_ms(fn, iters=5):
-    times = []
-    for _ in range(iters + 1):  # the first is warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])
+from ring_sim import median_seconds  # noqa: E402
 
 
 def main():
@@ -54,14 +43,14 @@ def main():
         for n in map(int, args.per_call.split(",")):
             if n > hq:
                 continue
-            run = lambda: _attn_bwd(dout, q, k, v, out, lse, True, heads_per_call=n)  # noqa: E731
+            run = functools.partial(_attn_bwd, dout, q, k, v, out, lse, True, heads_per_call=n)
             grads = run()
             torch.cuda.synchronize()
             if ref is None:
                 ref = grads
             err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(grads, ref))
             del grads
-            ms = time_ms(run)
+            ms = 1e3 * median_seconds(run, dev, iters=5, warmup=1)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

@@ -12,15 +12,12 @@ import torch
 import torch.distributed as dist
 
 # ---------------------------------------------------------------------------------------------
-# Zigzag sharding and ring attention
+# Zigzag sharding
 # ---------------------------------------------------------------------------------------------
 
 # Causal attention over one long sequence split across the ranks of a context-parallel group. The sequence
 # is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r (zigzag): one early and one late chunk, so
-# every rank owns the same share of the causal triangle. Ring attention then passes the K/V shards (the KV
-# heads only) round the ranks while each rank attends to them, and merges the partial results with their
-# log-sum-exp. Layout after zhuzilin/ring-flash-attention's zigzag variant: a forward, a backward and a
-# thin autograd.Function. Tested in tests/test_ring.py; bench/ring_sim.py checks the CUDA kernels.
+# every rank owns the same share of the causal triangle.
 
 
 def zigzag_shard(x, dim, rank, world):
@@ -42,77 +39,177 @@ def zigzag_positions(seq_len, rank, world, device=None):
     return zigzag_shard(torch.arange(seq_len, device=device), 0, rank, world)
 
 
+# ---------------------------------------------------------------------------------------------
+# The attention kernels
+# ---------------------------------------------------------------------------------------------
+
+# Flash-style kernels that return the log-sum-exp of each query row and never build the [Tq, Tk] scores. All
+# take GQA as is (fewer K/V heads than Q heads; dK/dV come back with the K/V head count) and any layout whose
+# last dim is contiguous: the model passes [B, T, H, D] memory seen as [B, H, T, D] (a .contiguous() here copied
+# q, k, v and dout in every layer), which is FlashAttention's own [B, T, H, D] layout after a transpose.
+#   fa4:   FlashAttention-4 (`pip install flash-attn-4`, CuTe DSL kernels for sm90+): on an H200 at 32 q / 8 kv
+#          heads, d 128, 131k causal 658 / 622 TFLOP/s fwd / fwd+bwd against cuDNN's 568 / 539 (bench/fa4_attn.py).
+#          Each kernel variant compiles on its first call (~3-5 s).
+#   cudnn: PyTorch's cuDNN attention op, the fastest that ships with PyTorch on H100/H200.
+#   flash: PyTorch's flash attention op (FlashAttention-2), ~1.7x slower than cuDNN on an H200; where cuDNN
+#          refuses an input it runs instead.
+#   cpu:   PyTorch's CPU flash op, whatever the backend, for CPU tensors (the whole ring runs under gloo in CI).
+# All are checked against an fp64 oracle (tests/test_ring.py on CPU, tests/test_fa4.py and bench/ring_sim.py on
+# a GPU). The backend is chosen once (RingAttention, resolve_backend) and passed down to every call.
+ATTN_BACKENDS = ("auto", "fa4", "cudnn", "flash")
+_warned = set()
+
+
+def _warn_once(key, msg):
+    """One warning per key, not one per layer and step."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=3)
+
+
 @functools.cache
-def _warn_once(msg):
-    warnings.warn(msg)
+def _fa4_unavailable():
+    """Why FlashAttention-4 cannot run here, or None when it can. Imported only here and in _fa4_*: CI has no
+    GPU and no flash-attn-4, and importing the CuTe DSL costs a few seconds."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"it needs an sm90 (Hopper) or newer GPU, this one is sm{major}{minor}"
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as e:  # ImportError, or the DSL failing to load its libraries
+        return f"flash_attn.cute does not import ({type(e).__name__}: {str(e)[:200]})"
+    return None
 
 
-# The kernels: flash-style ops that return the log-sum-exp of each query row, none of which builds the
-# [T x T] scores. All three take GQA as is (fewer K/V heads than Q heads, dK/dV come back with the KV head
-# count): checked against an fp64 oracle on CPU (tests/test_ring.py) and against SDPA on an H200
-# (bench/ring_sim.py). cuDNN is the fastest on H100/H200; flash is the fallback where cuDNN refuses.
-def _attn_fwd(q, k, v, causal):
-    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> out [B, Hq, Tq, D] in q.dtype, lse [B, Hq, Tq] fp32.
-    causal masks top-left aligned (query i sees keys 0..i); the ring only uses it with Tq == Tk.
-    The CUDA kernels take any layout with a contiguous last dim (the model passes [B, T, H, D] memory seen as
-    [B, H, T, D]; a .contiguous() here copied q, k, v and dout in every layer)."""
-    if q.device.type == "cpu":
+def resolve_backend(backend="auto"):
+    """The attention kernels that `backend` (one of ATTN_BACKENDS) means on this machine: "fa4", "cudnn" or
+    "flash", or "cpu" where CUDA is unavailable. "auto" takes fa4 where it imports and the GPU is sm90 or newer,
+    else cudnn (which falls back to flash where it refuses an input)."""
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: want one of {', '.join(ATTN_BACKENDS)}")
+    if backend == "fa4" and _fa4_unavailable():
+        raise ValueError(f"attention backend fa4: {_fa4_unavailable()}; install it with `pip install flash-attn-4` "
+                         "(sm90+ GPUs) or pass --attn_backend cudnn")
+    if not torch.cuda.is_available():
+        return "cpu"
+    if backend == "auto":
+        return "cudnn" if _fa4_unavailable() else "fa4"
+    return backend
+
+
+def _kernels(backend, device):
+    """The kernels for tensors on `device`: the CPU op for CPU tensors, whatever the backend."""
+    if device.type == "cpu":
+        return "cpu"
+    return resolve_backend("auto" if backend == "cpu" else backend)
+
+
+def _cudnn_refused(e):
+    """cuDNN declines inputs it has no plan for with a RuntimeError that names it; those run on flash. Anything
+    else (out of memory above all: a retry on another kernel would hide it) is not a refusal."""
+    return not isinstance(e, torch.OutOfMemoryError) and "cudnn" in str(e).lower()
+
+
+def _fa4_fwd(q, k, v, causal):
+    from flash_attn.cute.interface import _flash_attn_fwd
+    out, lse = _flash_attn_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                               return_lse=True)[:2]  # out [B, Tq, Hq, D]; lse [B, Hq, Tq] fp32, natural log
+    return out.transpose(1, 2), lse
+
+
+def _fa4_bwd(dout, q, k, v, out, lse, causal):
+    from flash_attn.cute.interface import _flash_attn_bwd
+    dq, dk, dv = _flash_attn_bwd(*(x.transpose(1, 2) for x in (q, k, v, out, dout)), lse, causal=causal)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _attn_fwd(q, k, v, causal, backend="auto"):
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> out [B, Hq, Tq, D] in q.dtype, lse [B, Hq, Tq] fp32 (natural log).
+    causal is used only with Tq == Tk (where cuDNN's top-left and FlashAttention's bottom-right masks agree):
+    query i sees keys 0..i."""
+    kernels = _kernels(backend, q.device)
+    if kernels == "cpu":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    try:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
-        return out, lse.reshape(out.shape[:3])  # cuDNN's lse is [B, Hq, Tq, 1]
-    except RuntimeError as e:
-        _warn_once(f"cuDNN attention refused this input ({str(e)[:200]}); using flash attention, ~1.7x slower "
-                   "on an H200")
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    if kernels == "fa4":
+        return _fa4_fwd(q, k, v, causal)
+    if kernels == "cudnn":
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+            return out, lse.reshape(out.shape[:3])  # cuDNN's lse is [B, Hq, Tq, 1]
+        except RuntimeError as e:
+            if not _cudnn_refused(e):
+                raise
+            _warn_once("forward", f"cuDNN attention refused an input in forward ({str(e)[:200]}); such "
+                       "inputs run on flash attention, ~1.7x slower on an H200")
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
 
 
-# The attention backward needs, besides dq/dk/dv, a workspace that grows with heads x length (cuDNN keeps an
-# fp32 dQ accumulator, 2 GiB for 32 heads x 131k tokens, and more): it was the largest item at the training
-# step's memory peak. Heads are independent, so the backward runs over groups of heads, one kernel call each,
-# into gradients allocated whole. Measured on an H200 at 131k tokens (bench/attn_heads.py): 32 query heads in
-# one call 5.5 GiB and 648 ms, 4 per call 2.4 GiB and 650 ms; Qwen3-1.7B's 16 heads 3.0 -> 2.0 GiB, +1.2% time.
+# The attention backward needs, besides dq/dk/dv, a workspace that grows with heads x length (an fp32 dQ
+# accumulator, 2 GiB for 32 heads x 131k tokens, and, in cuDNN and FA4 under GQA, more): it was the largest
+# item at the training step's memory peak. Heads are independent, so the backward runs over groups of heads,
+# one kernel call each, into gradients allocated whole. Measured on an H200 at 131k tokens (bench/attn_heads.py,
+# bench/fa4_attn.py): cuDNN, 32 query heads in one call 5.5 GiB and 648 ms, 4 per call 2.4 GiB and 650 ms;
+# Qwen3-1.7B's 16 heads 3.0 -> 2.0 GiB, +1.2% time.
 BWD_QUERY_HEADS_PER_CALL = 4
 
 
-def _attn_bwd_call(dout, q, k, v, out, lse, causal):
-    if q.device.type == "cpu":
+def _attn_bwd_call(dout, q, k, v, out, lse, causal, kernels):
+    if kernels == "cpu":
         dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
+    if kernels == "fa4":
+        return _fa4_bwd(dout, q, k, v, out, lse, causal)
     tq, tk, lse = q.shape[2], k.shape[2], lse.contiguous()
     rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout seed/offset: unused at p = 0
-    try:
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.unsqueeze(-1), rng, rng, None, None, None, tq, tk, 0.0, causal)
-    except RuntimeError:
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, tq, tk, 0.0, causal, rng, rng)
+    if kernels == "cudnn":
+        try:
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse.unsqueeze(-1), rng, rng, None, None, None, tq, tk, 0.0, causal)
+        except RuntimeError as e:
+            if not _cudnn_refused(e):
+                raise
+            _warn_once("backward", f"cuDNN attention refused an input in backward ({str(e)[:200]}); such "
+                       "inputs run on flash attention, ~1.7x slower on an H200")
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, tq, tk, 0.0, causal, rng, rng)
 
 
-def _attn_bwd(dout, q, k, v, out, lse, causal, heads_per_call=None):
+def _attn_bwd(dout, q, k, v, out, lse, causal, heads_per_call=None, backend="auto"):
     """Gradients of one _attn_fwd call from its inputs, out (in q.dtype) and lse [B, Hq, Tq] fp32.
     -> dq [B, Hq, Tq, D], dk/dv [B, Hkv, Tk, D], in q.dtype. Runs heads_per_call query heads (with their
     K/V heads) per kernel call (default BWD_QUERY_HEADS_PER_CALL, rounded to whole K/V heads dividing Hkv)."""
+    kernels = _kernels(backend, q.device)
     hq, hkv = q.shape[1], k.shape[1]
     per_kv = hq // hkv  # query heads per K/V head
     kv_step = max(1, min(hkv, (heads_per_call or BWD_QUERY_HEADS_PER_CALL) // per_kv))
     while hkv % kv_step:
         kv_step -= 1
     if kv_step == hkv:
-        return _attn_bwd_call(dout, q, k, v, out, lse, causal)
+        return _attn_bwd_call(dout, q, k, v, out, lse, causal, kernels)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # q's memory layout
     for h in range(0, hkv, kv_step):
         kh, qh = slice(h, h + kv_step), slice(h * per_kv, (h + kv_step) * per_kv)
-        grads = _attn_bwd_call(dout[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], causal)
+        grads = _attn_bwd_call(dout[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], causal, kernels)
         for whole, part, heads in zip((dq, dk, dv), grads, (qh, kh, kh)):
             whole[:, heads].copy_(part)
     return dq, dk, dv
 
 
-def _block(rank, src, t):
-    """What the causal mask keeps of the local queries against source rank src's keys at one ring step:
+# ---------------------------------------------------------------------------------------------
+# The ring
+# ---------------------------------------------------------------------------------------------
+
+# Ring attention passes the K/V shards (the KV heads only) round the ranks while each rank attends to them,
+# and merges the partial results with their log-sum-exp. Layout after zhuzilin/ring-flash-attention's zigzag
+# variant: a forward, a backward and a thin autograd.Function that only saves tensors. Tested in
+# tests/test_ring.py (CPU, gloo) and tests/test_fa4.py (GPU, NCCL); bench/ring_sim.py times the CUDA kernels.
+
+def _visible_part(rank, src, t):
+    """The part of the causal mask between this rank's queries and source rank src's keys at one ring step:
     (query rows, key columns, causal), both halves of length t // 2. With the local pair [A | B] =
     chunks [rank | 2w-1-rank] and the source pair [C | D] = chunks [src | 2w-1-src]:
       src == rank: the local pair against itself, causal (A comes before B, so the mask on the pair is exact);
@@ -127,11 +224,11 @@ def _block(rank, src, t):
     return slice(h, None), slice(None), False
 
 
-def _fwd_step(q, k, v, out, lse, rank, src):
+def _fwd_step(q, k, v, out, lse, rank, src, backend="auto"):
     """One ring step of the forward: attend the local q [B, Hq, T, D] to source src's k/v [B, Hkv, T, D]
     and fold the result into the running out [B, Hq, T, D] / lse [B, Hq, T] (fp32; None before step 0)."""
-    rows, cols, causal = _block(rank, src, q.shape[2])
-    out_b, lse_b = _attn_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal)
+    rows, cols, causal = _visible_part(rank, src, q.shape[2])
+    out_b, lse_b = _attn_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, backend)
     if out is None:  # step 0 covers every row
         return out_b.float(), lse_b.float()
     o, l = out[:, :, rows], lse[:, :, rows]  # views: updated in place
@@ -141,12 +238,12 @@ def _fwd_step(q, k, v, out, lse, rank, src):
     return out, lse
 
 
-def _bwd_step(dout, q, k, v, out, lse, dq, rank, src):
+def _bwd_step(dout, q, k, v, out, lse, dq, rank, src, backend="auto"):
     """One ring step of the backward, with the final out (q.dtype) and lse: adds the block's dQ into dq
     [B, Hq, T, D] fp32 and returns (cols, dk_b, dv_b), the gradient of source src's K/V columns cols."""
-    rows, cols, causal = _block(rank, src, q.shape[2])
+    rows, cols, causal = _visible_part(rank, src, q.shape[2])
     dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                 out[:, :, rows], lse[:, :, rows], causal)
+                                 out[:, :, rows], lse[:, :, rows], causal, backend=backend)
     dq[:, :, rows] += dq_b
     return cols, dk_b, dv_b
 
@@ -175,33 +272,34 @@ class _Ring:
         self.reqs = []
 
 
-def _ring_fwd(q, k, v, group):
-    """q [B, Hq, T, D], k/v [B, Hkv, T, D] (contiguous when world > 1: they are sent), zigzag-sharded over group.
-    -> out [B, Hq, T, D] fp32 (q.dtype when world is 1), lse [B, Hq, T] fp32.
-    At step i this rank holds the K/V of rank - i."""
+def _ring_fwd(q, k, v, group, backend):
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D], zigzag-sharded over group -> out [B, Hq, T, D] in q.dtype,
+    lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:  # one device: the kernel's own output, no fp32 merge buffer
-        return _attn_fwd(q, k, v, True)
+        return _attn_fwd(q, k, v, True, backend)
+    k, v = k.contiguous(), v.contiguous()  # they are sent, and NCCL/gloo send contiguous tensors only
     ring, out, lse = _Ring(group), None, None
     for i in range(world):
         if i + 1 < world:
             k_next, v_next = ring.start(k, v)
-        out, lse = _fwd_step(q, k, v, out, lse, rank, (rank - i) % world)
+        out, lse = _fwd_step(q, k, v, out, lse, rank, (rank - i) % world, backend)
         if i + 1 < world:
             ring.wait()
             k, v = k_next, v_next
-    return out, lse
+    return out.to(q.dtype), lse  # the backward kernels take out in q's dtype
 
 
-def _ring_bwd(dout, q, k, v, out, lse, group):
-    """dout, q, out [B, Hq, T, D], k/v [B, Hkv, T, D], lse [B, Hq, T] fp32 -> dq, dk, dv in fp32 (in
-    q.dtype when world is 1).
+def _ring_bwd(dout, q, k, v, out, lse, group, backend):
+    """dout, q, out [B, Hq, T, D], k/v [B, Hkv, T, D], lse [B, Hq, T] fp32 -> dq, dk, dv in the inputs' dtype.
     K/V go round the ring again; dK/dV buffers (fp32) go round with them, one step behind: the buffer a
     rank holds at step i belongs to the K/V it holds, rank - i. After the last step it belongs to rank + 1,
     so one more hop delivers every buffer, with all world contributions, to its owner."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:  # one device: the kernel's own gradients, no fp32 accumulators
-        return _attn_bwd(dout, q, k, v, out, lse, True)
+        return _attn_bwd(dout, q, k, v, out, lse, True, backend=backend)
+    dtypes = q.dtype, k.dtype, v.dtype
+    k, v = k.contiguous(), v.contiguous()
     kv_ring, grad_ring = _Ring(group), _Ring(group)
     dq = torch.zeros_like(q, dtype=torch.float32)
     dk = torch.zeros_like(k, dtype=torch.float32)
@@ -209,43 +307,31 @@ def _ring_bwd(dout, q, k, v, out, lse, group):
     for i in range(world):
         if i + 1 < world:
             k_next, v_next = kv_ring.start(k, v)
-        cols, dk_b, dv_b = _bwd_step(dout, q, k, v, out, lse, dq, rank, (rank - i) % world)
+        cols, dk_b, dv_b = _bwd_step(dout, q, k, v, out, lse, dq, rank, (rank - i) % world, backend)
         if i > 0:  # the source's buffer, sent on by the previous rank after its step i - 1
             grad_ring.wait()
             dk, dv = dk_next, dv_next
         dk[:, :, cols] += dk_b
         dv[:, :, cols] += dv_b
-        if world > 1:
-            dk_next, dv_next = grad_ring.start(dk, dv)
+        dk_next, dv_next = grad_ring.start(dk, dv)
         if i + 1 < world:
             kv_ring.wait()
             k, v = k_next, v_next
-    if world > 1:
-        grad_ring.wait()
-        dk, dv = dk_next, dv_next
-    return dq, dk, dv
-
-
-def _sendable(k, v, group):
-    """K/V travel round the ring, and NCCL/gloo send contiguous tensors only; a ring of one sends nothing."""
-    return (k, v) if dist.get_world_size(group) == 1 else (k.contiguous(), v.contiguous())
+    grad_ring.wait()
+    return tuple(g.to(dt) for g, dt in zip((dq, dk_next, dv_next), dtypes))
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group):
-        k, v = _sendable(k, v, group)
-        out, lse = _ring_fwd(q, k, v, group)
-        out = out.to(q.dtype)  # the backward kernels take out in their own dtype
+    def forward(ctx, q, k, v, group, backend):
+        out, lse = _ring_fwd(q, k, v, group, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.group, ctx.backend = group, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, ctx.group)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return *_ring_bwd(dout, *ctx.saved_tensors, ctx.group, ctx.backend), None, None
 
 
 def _check(q, k, v, group):
@@ -265,37 +351,37 @@ def _check(q, k, v, group):
         raise ValueError(f"the CUDA attention kernels take bf16 or fp16, not {q.dtype}")
 
 
-def ring_attention(q, k, v, group):
-    """Causal attention over a sequence zigzag-sharded (zigzag_shard, with the rank in `group`) across the
-    ranks of `group`. q [B, Hq, T, D], k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's two chunks.
-    -> [B, Hq, T, D] in q.dtype, softmax scale 1/sqrt(D). Differentiable w.r.t. q, k, v."""
-    _check(q, k, v, group)
-    return _RingAttention.apply(q, k, v, group)
-
-
 class RingAttention:
-    """The model's attn_fn: ring_attention over `group` (a group of one is plain causal attention).
+    """The model's attn_fn: causal attention over a sequence zigzag-sharded (zigzag_shard, with the rank in
+    `group`) across the ranks of `group`; a group of one is plain causal attention. q [B, Hq, T, D],
+    k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's two chunks; softmax scale 1/sqrt(D).
 
-    fwd and bwd expose the two halves without autograd, so that a checkpointed block can keep the output
-    and log-sum-exp of its forward and, in backward, run only the attention backward instead of recomputing
-    the attention forward (the most expensive part of a block at long sequence)."""
+    backend: one of ATTN_BACKENDS, resolved once here; self.backend says which kernels run ("fa4", "cudnn",
+    "flash", or "cpu" without CUDA). Calling it is differentiable; fwd and bwd are its two halves without
+    autograd, for the recomputed block that keeps attention's output and lse (model.py, "Memory levers")."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, backend="auto"):
+        self.group, self.backend = group, resolve_backend(backend)
 
     def __call__(self, q, k, v):
-        return ring_attention(q, k, v, self.group)
+        """-> out [B, Hq, T, D] in q.dtype."""
+        _check(q, k, v, self.group)
+        return _RingAttention.apply(q, k, v, self.group, self.backend)
 
     def fwd(self, q, k, v):
         """-> out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] fp32."""
         _check(q, k, v, self.group)
-        out, lse = _ring_fwd(q, *_sendable(k, v, self.group), self.group)
-        return out.to(q.dtype), lse
+        return _ring_fwd(q, k, v, self.group, self.backend)
 
     def bwd(self, dout, q, k, v, out, lse):
         """-> dq, dk, dv in the inputs' dtype."""
-        dq, dk, dv = _ring_bwd(dout, q, *_sendable(k, v, self.group), out, lse, self.group)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return _ring_bwd(dout, q, k, v, out, lse, self.group, self.backend)
+
+
+def ring_attention(q, k, v, group, backend="auto"):
+    """Causal ring attention of q [B, Hq, T, D] to k/v [B, Hkv, T, D] over `group` (see RingAttention).
+    -> [B, Hq, T, D] in q.dtype. Differentiable w.r.t. q, k, v."""
+    return RingAttention(group, backend)(q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------

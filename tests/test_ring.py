@@ -49,13 +49,13 @@ def _record_blocks(calls):
     """Wrap the kernel pair so that each call's (kind, query rows, key rows, causal) is recorded."""
     fwd, bwd = parallel._attn_fwd, parallel._attn_bwd
 
-    def rec_fwd(q, k, v, causal):
+    def rec_fwd(q, k, v, causal, *args, **kwargs):
         calls.append(("fwd", q.shape[2], k.shape[2], causal))
-        return fwd(q, k, v, causal)
+        return fwd(q, k, v, causal, *args, **kwargs)
 
-    def rec_bwd(dout, q, k, v, out, lse, causal):
+    def rec_bwd(dout, q, k, v, out, lse, causal, *args, **kwargs):
         calls.append(("bwd", q.shape[2], k.shape[2], causal))
-        return bwd(dout, q, k, v, out, lse, causal)
+        return bwd(dout, q, k, v, out, lse, causal, *args, **kwargs)
 
     parallel._attn_fwd, parallel._attn_bwd = rec_fwd, rec_bwd
 
@@ -137,7 +137,7 @@ def test_schedule_covers_causal_mask_once(world):
         q_pos = zigzag_positions(seq, rank, world)
         for step in range(world):
             src = (rank - step) % world
-            rows, cols, causal = parallel._block(rank, src, t)
+            rows, cols, causal = parallel._visible_part(rank, src, t)
             qp, kp = q_pos[rows], zigzag_positions(seq, src, world)[cols]
             block = torch.ones(len(qp), len(kp), dtype=torch.int64)
             if causal:  # the kernels' causal mask: local query i sees local keys 0..i
@@ -196,3 +196,25 @@ def test_bad_inputs_raise():
     for message, (q_, k_, v_) in bad.items():
         with pytest.raises(ValueError, match=message):
             ring_attention(q_, k_, v_, None)  # checked before the group is touched
+
+
+def test_backend_choice_without_cuda(monkeypatch):
+    """Without CUDA every backend runs the CPU kernels, and asking for fa4 says how to get it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parallel._fa4_unavailable.cache_clear()
+    try:
+        assert parallel.RingAttention(None).backend == "cpu"
+        assert parallel.RingAttention(None, backend="cudnn").backend == "cpu"
+        with pytest.raises(ValueError, match="pip install flash-attn-4.*--attn_backend cudnn"):
+            parallel.RingAttention(None, backend="fa4")
+        with pytest.raises(ValueError, match="want one of auto, fa4, cudnn, flash"):
+            parallel.RingAttention(None, backend="sdpa")
+    finally:
+        parallel._fa4_unavailable.cache_clear()
+
+
+def test_only_cudnn_refusals_fall_back_to_flash():
+    """An out-of-memory error (a RuntimeError too) or a CUDA error must surface, not be retried on flash."""
+    assert parallel._cudnn_refused(RuntimeError("cuDNN Frontend error: No execution plans support the graph."))
+    assert not parallel._cudnn_refused(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not parallel._cudnn_refused(RuntimeError("CUDA error: an illegal memory access was encountered"))

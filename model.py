@@ -1,11 +1,18 @@
-"""Qwen3 (dense) for million-token training: config, RoPE with YaRN, the decoder, HF safetensors load/save,
-and per-block activation checkpoints whose saved input can live in pinned host memory.
+"""Qwen3 (dense) for million-token training, in three parts:
+
+1. The plain Qwen3: config, RoPE with YaRN, RMSNorm, attention, SwiGLU MLP, the decoder. It reads like
+   transformers' modeling_qwen3.py (same names, same parameter layout) and can be diffed against it.
+2. Memory levers: what lets one sequence of a million tokens fit. Custom autograd Functions that keep less
+   than autograd would (RMSNorm, RoPE, the tiled MLP), and the recomputed block, whose kept tensors can live
+   in pinned host memory (HostOffload). The whole life of a recomputed block is told once, in that section.
+3. HF I/O: safetensors load and save in the layout transformers reads.
 
 The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
 (causal SDPA on one device, the ring of parallel.py under context parallelism).
 
     python -c "from model import *; m = Qwen3(Qwen3Config.tiny()); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
 """
+import dataclasses
 import functools
 import json
 import math
@@ -17,12 +24,54 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# addmm_fp32_ lives beside the loss, its first user; the tiled MLP's weight gradients use it too. (In
+# model.py it would make loss.py import the model, which imports the loss.)
 from loss import addmm_fp32_, chunked_nll
 
+HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 
-# ---------------------------------------------------------------------------------------------
-# Config
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
+# 1. The plain Qwen3
+# =============================================================================================
+
+
+def refuse_unsupported(d: dict):
+    """Stop on an HF config this trainer cannot train exactly: ring attention needs full causal attention
+    in every layer of a dense model."""
+    where = d.get("_name_or_path", "config.json")
+    if d.get("model_type") != "qwen3":
+        raise ValueError(f"{where}: model_type is {d.get('model_type')!r}; this trainer supports dense Qwen3 "
+                         "('qwen3') only (context parallelism needs full causal attention in every layer).")
+    if d.get("num_experts") or d.get("num_local_experts"):
+        raise ValueError(f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3.")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full causal attention "
+                         "in every layer. Use a config with use_sliding_window: false.")
+    bad_layers = sorted({t for t in d.get("layer_types") or [] if t != "full_attention"})
+    if bad_layers:
+        raise ValueError(f"{where}: layer_types has {bad_layers}; only 'full_attention' layers are supported.")
+    if d.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias is true, which Qwen3 never uses; not supported.")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses 'silu').")
+
+
+def parse_rope(d: dict) -> tuple[float, dict | None]:
+    """-> (theta, YaRN scaling or None). Older configs say rope_theta + rope_scaling, newer ones
+    rope_parameters (with theta inside)."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"{d.get('_name_or_path', 'config.json')}: rope type {rope_type!r} is not supported; "
+                         "use 'default' or 'yarn'.")
+    if rope_type == "default":
+        return float(theta), None
+    scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "attention_factor",
+                                    "beta_fast", "beta_slow") if rope.get(k) is not None}
+    scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    return float(theta), scaling
+
 
 @dataclass
 class Qwen3Config:
@@ -35,8 +84,8 @@ class Qwen3Config:
     head_dim: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
-    # None (plain RoPE) or {"rope_type": "yarn", "factor", "original_max_position_embeddings", optional
-    # "attention_factor", "beta_fast", "beta_slow"}
+    # None (plain RoPE) or {"factor", "original_max_position_embeddings", optional "attention_factor",
+    # "beta_fast", "beta_slow"} for YaRN
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
@@ -45,41 +94,15 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Qwen3Config":
-        """Read an HF Qwen3 config.json dict (either RoPE style); refuse what is not full-attention dense Qwen3."""
-        where = d.get("_name_or_path", "config.json")
-        if d.get("model_type") != "qwen3":
-            raise ValueError(f"{where}: model_type is {d.get('model_type')!r}; this trainer supports dense Qwen3 "
-                             "('qwen3') only (context parallelism needs full causal attention in every layer).")
-        if d.get("num_experts") or d.get("num_local_experts"):
-            raise ValueError(f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3.")
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full causal attention "
-                             "in every layer. Use a config with use_sliding_window: false.")
-        bad_layers = sorted({t for t in d.get("layer_types") or [] if t != "full_attention"})
-        if bad_layers:
-            raise ValueError(f"{where}: layer_types has {bad_layers}; only 'full_attention' layers are supported.")
-        if d.get("attention_bias"):
-            raise ValueError(f"{where}: attention_bias is true, which Qwen3 never uses; not supported.")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses 'silu').")
-        # RoPE: older configs say rope_theta + rope_scaling, newer ones rope_parameters (theta inside).
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn"):
-            raise ValueError(f"{where}: rope type {rope_type!r} is not supported; use 'default' or 'yarn'.")
-        scaling = None
-        if rope_type == "yarn":
-            scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "attention_factor",
-                                            "beta_fast", "beta_slow") if rope.get(k) is not None}
-            scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+        """An HF Qwen3 config.json dict (either RoPE style) -> Qwen3Config."""
+        refuse_unsupported(d)
+        theta, scaling = parse_rope(d)
         heads = d["num_attention_heads"]
         return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                    intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
                    num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
                    head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                   rope_theta=float(theta), rope_scaling=scaling,
-                   tie_word_embeddings=d.get("tie_word_embeddings", False),
+                   rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
                    max_position_embeddings=d.get("max_position_embeddings", 40960),
                    initializer_range=d.get("initializer_range", 0.02), raw=dict(d))
 
@@ -89,8 +112,12 @@ class Qwen3Config:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"no config.json in {path!r}: pass a folder holding an HF Qwen3 checkpoint "
                                     "(or only its config.json, to train from random initialisation).")
-        with open(f) as fh:
-            return cls.from_dict(json.load(fh))
+        try:
+            with open(f) as fh:
+                d = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f} is not valid JSON ({e})") from None
+        return cls.from_dict(d)
 
     @classmethod
     def tiny(cls, **kw) -> "Qwen3Config":
@@ -101,13 +128,14 @@ class Qwen3Config:
         d.update(kw)
         return cls.from_dict(d)
 
-    def with_yarn(self, factor: float, original_max_position_embeddings: int) -> "Qwen3Config":
-        """YaRN from the command line: factor and L0 given explicitly win over the checkpoint's; theta stays."""
+    def yarn_scaled(self, factor: float, original_max_position_embeddings: int) -> "Qwen3Config":
+        """A copy with YaRN at `factor` over `original_max_position_embeddings` positions (given explicitly,
+        they win over the checkpoint's); theta and the checkpoint's beta_fast/beta_slow stay."""
         old = self.rope_scaling or {}
         keep = {k: old[k] for k in ("beta_fast", "beta_slow") if k in old}
-        self.rope_scaling = {"factor": float(factor), "original_max_position_embeddings": int(original_max_position_embeddings),
-                             **keep}
-        return self
+        return dataclasses.replace(self, rope_scaling={
+            "factor": float(factor), "original_max_position_embeddings": int(original_max_position_embeddings),
+            **keep})
 
     def to_dict(self) -> dict:
         """config.json for save_pretrained: the original fields, with the RoPE this run trained with."""
@@ -126,9 +154,7 @@ class Qwen3Config:
         return d
 
 
-# ---------------------------------------------------------------------------------------------
-# RoPE (default and YaRN, arXiv:2309.00071)
-# ---------------------------------------------------------------------------------------------
+# --- RoPE (default and YaRN, arXiv:2309.00071) -------------------------------------------------
 
 def rope_inv_freq(cfg: Qwen3Config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim // 2] (float64) and the attention factor that scales cos and sin."""
@@ -153,29 +179,9 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attn_factor
     """cos, sin [B, T, head_dim] (fp32, or float64 for a float64 model) for the positions present: never a
     table of max_positions x head_dim. Angles are formed in float64: at position 1,048,576 an fp32 product
     pos * inv_freq is off by up to 0.06 rad."""
-    ang = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)  # (B, T, d/2)
-    ang = torch.cat([ang, ang], dim=-1)                                                  # (B, T, d)
+    ang = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)  # [B, T, D/2]
+    ang = torch.cat([ang, ang], dim=-1)                                                  # [B, T, D]
     return (ang.cos() * attn_factor).to(dtype), (ang.sin() * attn_factor).to(dtype)
-
-
-def _rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class _RoPE(torch.autograd.Function):
-    """y = x*cos + rotate_half(x)*sin. rotate_half is a rotation by 90 degrees and sin is the same in both
-    halves, so the backward is the rotation the other way: dx = rope(dy, cos, -sin). Keeps only cos/sin."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return fused(_rope, x)(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, dy):
-        cos, sin = ctx.saved_tensors
-        return fused(_rope, dy)(dy, cos, -sin), None, None
 
 
 def apply_rope(x, cos, sin):
@@ -185,54 +191,11 @@ def apply_rope(x, cos, sin):
     return _RoPE.apply(x, cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype))
 
 
-# ---------------------------------------------------------------------------------------------
-# Layers
-# ---------------------------------------------------------------------------------------------
-
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn)
-
-
-def fused(fn, x):
-    """fn compiled by torch.compile (one Triton kernel for a chain of elementwise ops and reductions) when x is
-    on CUDA; fn itself elsewhere, so the CPU tests check the same formulas eagerly."""
-    return _compiled(fn) if x.is_cuda else fn
-
-
-def _rms_norm(x, w, eps):
-    rstd = torch.rsqrt(x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True) + eps)
-    return w * (x.to(rstd.dtype) * rstd).to(x.dtype), rstd
-
-
-def _rms_norm_backward(dy, x, w, rstd):
-    acc = rstd.dtype
-    n = x.to(acc) * rstd                                    # the normalised x
-    dw = (dy.to(acc) * n.to(x.dtype).to(acc)).reshape(-1, n.shape[-1]).sum(0)
-    dn = (dy * w).to(acc)
-    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
-    return dx.to(x.dtype), dw.to(w.dtype)
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """y = w * (x * rstd) with rstd = 1/sqrt(mean(x^2) + eps) in fp32 (transformers' Qwen3RMSNorm), keeping
-    only x and rstd for backward. Autograd of the same formula keeps fp32 copies of x (2 GiB each for a
-    131k x 4096 input); this Function took 4.4 GiB off the Qwen3-4B peak at 131k tokens (bench/NOTES.md)."""
-
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        y, rstd = fused(_rms_norm, x)(x, w, eps)
-        ctx.save_for_backward(x, w, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = fused(_rms_norm_backward, dy)(dy, x, w, rstd)
-        return dx, dw, None
-
+# --- Layers ------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), the statistics in fp32 (transformers' Qwen3RMSNorm)."""
+
     def __init__(self, dim, eps):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
@@ -257,22 +220,170 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_fn, record=None, replay=None):
-        """record: a list that receives (out, lse) of attn_fn.fwd (under no_grad); replay: that (out, lse),
-        used as the attention's output with only its backward left to run (see _Checkpoint)."""
+    def forward(self, x, cos, sin, attend):
+        """x [B, T, H] -> [B, T, H]. attend(q, k, v) -> out is the attention itself: the model's attn_fn, or
+        one of the recomputed block's variants (section 2)."""
         B, T, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.hq, self.hd)), cos, sin)   # (B, T, Hq, D)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)), cos, sin)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, self.hkv, self.hd)                                     # (B, T, Hkv, D)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views as (B, H, T, D): no copies
-        if record is not None:
-            o, lse = attn_fn.fwd(q, k, v)                                              # lse (B, Hq, T) fp32
-            record += [o, lse]
-        elif replay is not None:
-            o = _ReplayAttention.apply(q, k, v, *replay, attn_fn)
-        else:
-            o = attn_fn(q, k, v)                                                       # (B, Hq, T, D)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.hq, self.hd)), cos, sin)   # [B, T, Hq, D]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)), cos, sin)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.hkv, self.hd)                                     # [B, T, Hkv, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views as [B, H, T, D]: no copies
+        o = attend(q, k, v)                                                                  # [B, Hq, T, D]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.hq * self.hd))
+
+
+def _swiglu(x, w_gate, w_up, w_down):
+    return F.linear(fused(_silu_mul, x)(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tile = 0  # rows per tile along the sequence (a memory lever, section 2); 0 = untiled
+
+    def forward(self, x, value_is_read=True):
+        """down(silu(gate(x)) * up(x)). value_is_read=False: only the output's gradient graph will be used
+        (the recomputed block's backward), so the tiled MLP may skip computing its value."""
+        ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if self.tile and x.shape[-2] > self.tile:
+            return _TiledMLP.apply(x, self.tile, value_is_read, *ws)
+        return _swiglu(x, *ws)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen3Config, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        # memory levers (section 2), set by Qwen3.set_levers
+        self.recompute = False       # keep only the block's input; recompute the rest in backward
+        self.keep_attention = False  # ... and attention's output + lse, so the recompute skips attention
+        self.offload = None          # a HostOffload (shared by the blocks) holding what is kept, or None
+
+    def body(self, x, cos, sin, attend, mlp_value_is_read=True):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
+
+    def forward(self, x, cos, sin, attn_fn):
+        if self.recompute and torch.is_grad_enabled():
+            return _RecomputedBlock.apply(x, cos, sin, self, attn_fn)
+        return self.body(x, cos, sin, attn_fn)
+
+
+class Qwen3(nn.Module):
+    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention):
+        super().__init__()
+        self.cfg, self.attn_fn = cfg, attn_fn
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def head_weight(self):
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=2048):
+        """input_ids [B, T] -> hidden [B, T, H] after the final norm; with labels [B, T], the chunked
+        (loss_sum fp32, n_valid) instead, computed here so that FSDP2 gathers the head weight once per step."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
+        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # [B, T, D] fp32
+        x = self.embed_tokens(input_ids)                                                  # [B, T, H]
+        for block in self.layers:
+            x = block(x, cos, sin, self.attn_fn)
+        h = self.norm(x)
+        if labels is None:
+            return h
+        with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
+            return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
+
+    def logits(self, input_ids, position_ids=None):
+        """Full logits [B, T, V], for tests and short evaluation only."""
+        return self(input_ids, position_ids) @ self.head_weight().T
+
+    @torch.no_grad()
+    def init_weights(self, generator=None):
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0, offload_layers: int = 0,
+                   keep_attention: bool = False):
+        """The memory levers of section 2: recompute each block in backward from its kept input; keep
+        attention's output + lse too (keep_attention); hold what is kept in pinned host memory for the first
+        `offload_layers` blocks (0 = all: the first blocks' tensors are needed last in backward, so their
+        copies hide best); compute the MLP in tiles of mlp_tile rows (0 = off). Offload implies recompute."""
+        shared = HostOffload() if offload else None
+        n = offload_layers or len(self.layers)
+        for b in self.layers:
+            b.recompute, b.offload, b.mlp.tile = recompute or offload, shared if b.index < n else None, mlp_tile
+            b.keep_attention = keep_attention
+        return self
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention):
+        path = local_folder(path_or_hub_id)
+        cfg = Qwen3Config.from_pretrained(path)
+        with torch.device("meta"):
+            model = cls(cfg, attn_fn)
+        model.to_empty(device=device)
+        sd = load_hf_state_dict(path, list(model.state_dict()), dtype)
+        if sd is None:
+            warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation.")
+            model.init_weights()
+            return model.to(dtype)
+        model.load_state_dict(sd)
+        return model.to(dtype)
+
+    def save_pretrained(self, out_dir: str, state_dict=None, max_shard_bytes: int = HF_SHARD_BYTES):
+        save_hf(out_dir, self.cfg, state_dict if state_dict is not None else self.state_dict(), max_shard_bytes)
+
+
+# =============================================================================================
+# 2. Memory levers
+# =============================================================================================
+#
+# The life of a recomputed block (Block.recompute; train.py --recompute), told once.
+#
+# Forward (_RecomputedBlock.forward, under no_grad): the block runs and nothing inside it is kept for
+# backward but its input x [B, T, H]. With keep_attention, the attention also hands back its output and
+# log-sum-exp, through attn_fn.fwd(q, k, v) -> (out [B, Hq, T, D], lse [B, Hq, T] fp32) (_KeptAttention):
+# attention is most of a block's cost at long sequence, and these two tensors let backward skip it. What is
+# kept goes to pinned host memory when the block has an offload (HostOffload), else it stays on the GPU.
+#
+# Backward (_RecomputedBlock.backward): the kept tensors come back (the offload brings block i-1's while block
+# i runs), and the block runs again with grad on, to rebuild its graph:
+#   - attention: without kept tensors, attn_fn runs forward again; with them, _ReplayAttention returns the kept
+#     output as is and, in its backward, calls attn_fn.bwd(dout, q, k, v, out, lse) -> (dq, dk, dv). For the
+#     ring (parallel.RingAttention), fwd/bwd are its two halves without autograd.
+#   - MLP: the recomputed output's value is never read (only its gradient graph is), so the tiled MLP skips
+#     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
+# Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are
+# not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as reentrant checkpointing
+# does), which FSDP2's post-backward hook then reduce-scatters.
+
+
+class _KeptAttention:
+    """attend(q, k, v) for the recomputed block's forward with keep_attention: runs attn_fn.fwd and keeps
+    its (out, lse) as attributes for the block to save."""
+
+    def __init__(self, attn_fn):
+        self.attn_fn, self.out, self.lse = attn_fn, None, None
+
+    def __call__(self, q, k, v):
+        self.out, self.lse = self.attn_fn.fwd(q, k, v)
+        return self.out
 
 
 class _ReplayAttention(torch.autograd.Function):
@@ -291,97 +402,47 @@ class _ReplayAttention(torch.autograd.Function):
         return *ctx.attn_fn.bwd(dout, q, k, v, out, lse), None, None, None
 
 
-def _silu_mul(g, u):
-    return F.silu(g) * u
-
-
-def _silu_mul_backward(dh, g, u):
-    """Gradients of h = silu(g) * u, in fp32 and rounded once: silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g)."""
-    dh, gf, uf = dh.to(torch.promote_types(dh.dtype, torch.float32)), g.to(dh.dtype), u.to(dh.dtype)
-    s = torch.sigmoid(gf)
-    return (dh * uf * s * (1 + gf * (1 - s))).to(g.dtype), (dh * gf * s).to(u.dtype)
-
-
-def _swiglu(x, w_gate, w_up, w_down):
-    return F.linear(fused(_silu_mul, x)(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
-
-
-class _TiledMLP(torch.autograd.Function):
-    """SwiGLU over tiles of rows (tokens), each tile's forward and backward on its own, so the four
-    [T x intermediate] tensors exist one tile at a time (at 1M tokens and intermediate 9,728 they are 76 GB
-    whole). The backward is written out: per tile, the recomputed gate/up, one fused kernel for the SwiGLU
-    gradient, and the weight gradients added by the GEMMs straight into fp32 buffers, rounded once."""
+class _RecomputedBlock(torch.autograd.Function):
+    """A block that keeps only its input (and, with keep_attention, attention's output and lse), and
+    recomputes the rest in backward: the story is told at the top of this section."""
 
     @staticmethod
-    def forward(ctx, x, tile, grad_only, w_gate, w_up, w_down):
-        ctx.tile = tile
-        ctx.save_for_backward(x, w_gate, w_up, w_down)
-        if grad_only:  # a checkpoint's recompute: only the graph is used, and backward recomputes per tile anyway
-            return torch.empty_like(x)
-        rows = x.reshape(-1, x.shape[-1])
-        return torch.cat([_swiglu(xt, w_gate, w_up, w_down) for xt in rows.split(tile)]).view(x.shape)
+    def forward(ctx, x, cos, sin, block, attn_fn):
+        ctx.block, ctx.attn_fn = block, attn_fn
+        attend = _KeptAttention(attn_fn) if block.keep_attention and hasattr(attn_fn, "fwd") else attn_fn
+        with torch.no_grad():
+            y = block.body(x, cos, sin, attend)
+        kept = {"x": x}
+        if isinstance(attend, _KeptAttention):
+            kept.update(out=attend.out, lse=attend.lse)
+        ctx.names = list(kept)
+        if block.offload is not None:
+            for name, t in kept.items():
+                block.offload.save((block.index, name), t)
+            kept = {}
+        ctx.save_for_backward(cos, sin, *kept.values())
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, wg, wu, wd = ctx.saved_tensors
-        rows, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
-        dx = torch.empty_like(rows)
-        dwg, dwu, dwd = (torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in (wg, wu, wd))
-        for xt, dyt, dxt in zip(rows.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
-            g, u = F.linear(xt, wg), F.linear(xt, wu)                        # [t, I]
-            addmm_fp32_(dwd, dyt.T, fused(_silu_mul, g)(g, u))               # dW_down += dy^T h
-            dg, du = fused(_silu_mul_backward, g)(dyt @ wd, g, u)            # dh = dy W_down
-            torch.mm(dg, wg, out=dxt)
-            dxt.addmm_(du, wu)                                               # dx = dg W_gate + du W_up
-            addmm_fp32_(dwg, dg.T, xt)
-            addmm_fp32_(dwu, du.T, xt)
-        return dx.view(x.shape), None, None, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype)
+        block = ctx.block
+        cos, sin, *kept = ctx.saved_tensors
+        if block.offload is not None:
+            kept = [block.offload.load((block.index, name), dy.device) for name in ctx.names]
+        kept = dict(zip(ctx.names, kept))
+        attend = ctx.attn_fn
+        if "out" in kept:
+            def attend(q, k, v):
+                return _ReplayAttention.apply(q, k, v, kept["out"], kept["lse"], ctx.attn_fn)
+        with torch.enable_grad():
+            x = kept["x"].detach().requires_grad_()
+            y = block.body(x, cos, sin, attend, mlp_value_is_read=False)
+            torch.autograd.backward(y, dy)
+        return x.grad, None, None, None, None
 
-
-class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.tile = 0  # rows per tile along the sequence; 0 = untiled
-
-    def forward(self, x, grad_only=False):
-        """grad_only: the output's value will not be read, only its gradient graph (a checkpoint's recompute)."""
-        ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        if self.tile and x.shape[-2] > self.tile:
-            return _TiledMLP.apply(x, self.tile, grad_only, *ws)
-        return _swiglu(x, *ws)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: Qwen3Config, index: int):
-        super().__init__()
-        self.index = index
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-        self.checkpoint = False
-        self.keep_attention = False  # keep attention's output + lse from forward instead of recomputing it
-        self.offload = None  # a HostOffload shared by the blocks, or None
-
-    def body(self, x, cos, sin, attn_fn, record=None, replay=None, grad_only=False):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn, record, replay)
-        return h + self.mlp(self.post_attention_layernorm(h), grad_only)
-
-    def forward(self, x, cos, sin, attn_fn):
-        if self.checkpoint and torch.is_grad_enabled():
-            return _Checkpoint.apply(x, cos, sin, self, attn_fn)
-        return self.body(x, cos, sin, attn_fn)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: keep only each block's input (and attention output), optionally in pinned host memory
-# ---------------------------------------------------------------------------------------------
 
 class HostOffload:
-    """Keeps what the block checkpoints keep (inputs, attention outputs) in pinned host memory between forward
+    """Keeps what the recomputed blocks keep (inputs, attention outputs) in pinned host memory between forward
     and backward, under keys (block index, name).
 
     Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: the
@@ -451,146 +512,140 @@ class HostOffload:
         return sum(b.numel() * b.element_size() for b in self.host.values())
 
 
-class _Checkpoint(torch.autograd.Function):
-    """Runs a block without keeping its activations; backward recomputes it from the saved input.
+# --- Functions that keep less than autograd would --------------------------------------------
 
-    With block.keep_attention (and an attn_fn that has fwd/bwd), the attention output and log-sum-exp are
-    kept too, and the recompute skips the attention forward: 18% of the Qwen3-4B step at 131k (bench/NOTES.md).
-    What is kept lives in pinned host memory when the block has an offload, else on the device.
-    The block's parameters are not inputs of this Function: the recompute's own backward accumulates their
-    gradients (as reentrant checkpointing does), which is what FSDP2's post-backward hook then reduces."""
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def fused(fn, x):
+    """fn compiled by torch.compile (one Triton kernel for a chain of elementwise ops and reductions) when x is
+    on CUDA; fn itself elsewhere, so the CPU tests check the same formulas eagerly."""
+    return _compiled(fn) if x.is_cuda else fn
+
+
+def _rms_norm(x, w, eps):
+    rstd = torch.rsqrt(x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True) + eps)
+    return w * (x.to(rstd.dtype) * rstd).to(x.dtype), rstd
+
+
+def _rms_norm_backward(dy, x, w, rstd):
+    acc = rstd.dtype
+    n = x.to(acc) * rstd                                    # the normalised x
+    dw = (dy.to(acc) * n.to(x.dtype).to(acc)).reshape(-1, n.shape[-1]).sum(0)
+    dn = (dy * w).to(acc)
+    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw.to(w.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm keeping only x and rstd for backward. Autograd of the same formula keeps fp32 copies of x
+    (2.5 GiB each for a 131k x 2560 input, Qwen3-4B's width); this Function took 4.4 GiB off the Qwen3-4B peak
+    at 131k tokens (bench/NOTES.md)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, block, attn_fn):
-        ctx.block, ctx.attn_fn = block, attn_fn
-        record = [] if block.keep_attention and hasattr(attn_fn, "fwd") else None
-        with torch.no_grad():
-            y = block.body(x, cos, sin, attn_fn, record=record)
-        kept = [x] + (record or [])
-        ctx.names = ["x", "out", "lse"][:len(kept)]
-        if block.offload is not None:
-            for name, t in zip(ctx.names, kept):
-                block.offload.save((block.index, name), t)
-            kept = []
-        ctx.save_for_backward(cos, sin, *kept)
+    def forward(ctx, x, w, eps):
+        y, rstd = fused(_rms_norm, x)(x, w, eps)
+        ctx.save_for_backward(x, w, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        block = ctx.block
-        cos, sin, *kept = ctx.saved_tensors
-        if block.offload is not None:
-            kept = [block.offload.load((block.index, name), dy.device) for name in ctx.names]
-        x, replay = kept[0], (kept[1:] or None)
-        with torch.enable_grad():
-            x = x.detach().requires_grad_()
-            # the recomputed output's value is never read, so the tiled MLP skips its forward (its backward
-            # recomputes per tile anyway): one MLP forward less per block
-            y = block.body(x, cos, sin, ctx.attn_fn, replay=replay, grad_only=True)
-            torch.autograd.backward(y, dy)
-        return x.grad, None, None, None, None
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = fused(_rms_norm_backward, dy)(dy, x, w, rstd)
+        return dx, dw, None
 
 
-# ---------------------------------------------------------------------------------------------
-# The decoder
-# ---------------------------------------------------------------------------------------------
+def _rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
-class Qwen3(nn.Module):
-    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention):
-        super().__init__()
-        self.cfg, self.attn_fn = cfg, attn_fn
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def head_weight(self):
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+class _RoPE(torch.autograd.Function):
+    """y = x*cos + rotate_half(x)*sin. rotate_half is a rotation by 90 degrees and sin is the same in both
+    halves, so the backward is the rotation the other way: dx = rope(dy, cos, -sin). Keeps only cos/sin."""
 
-    def set_levers(self, checkpoint: bool = True, offload: bool = False, mlp_tile: int = 0, offload_layers: int = 0,
-                   keep_attention: bool = False):
-        """Activation checkpoint per block; what it keeps (its input, and with keep_attention the attention
-        output + lse) in pinned host memory for the first `offload_layers` blocks (0 = all: the first blocks'
-        tensors are needed last in backward, so their copies hide best); the MLP's sequence tile (0 = off)."""
-        shared = HostOffload() if offload else None
-        n = offload_layers or len(self.layers)
-        for b in self.layers:
-            b.checkpoint, b.offload, b.mlp.tile = checkpoint or offload, shared if b.index < n else None, mlp_tile
-            b.keep_attention = keep_attention
-        return self
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return fused(_rope, x)(x, cos, sin)
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=4096):
-        """input_ids [B, T] -> hidden [B, T, H] after the final norm; with labels [B, T], the chunked
-        (loss_sum fp32, n_valid) instead, computed here so that FSDP2 gathers the head weight once per step."""
-        B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
-        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # (B, T, D) fp32
-        x = self.embed_tokens(input_ids)                                                  # (B, T, H)
-        for block in self.layers:
-            x = block(x, cos, sin, self.attn_fn)
-        h = self.norm(x)
-        if labels is None:
-            return h
-        with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
-            return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return fused(_rope, dy)(dy, cos, -sin), None, None
 
-    def logits(self, input_ids, position_ids=None):
-        """Full logits [B, T, V], for tests and short evaluation only."""
-        return self(input_ids, position_ids) @ self.head_weight().T
 
-    @torch.no_grad()
-    def init_weights(self, generator=None):
-        std = self.cfg.initializer_range
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=generator)
+def _silu_mul(g, u):
+    return F.silu(g) * u
 
-    # -- HF checkpoints ----------------------------------------------------------------------
 
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention):
-        path = resolve_checkpoint(path_or_hub_id)
-        cfg = Qwen3Config.from_pretrained(path)
-        with torch.device("meta"):
-            model = cls(cfg, attn_fn)
-        model.to_empty(device=device)
-        sd = load_hf_state_dict(path, list(model.state_dict()), dtype)
-        if sd is None:
-            warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation.")
-            model.init_weights()
-            return model.to(dtype)
-        model.load_state_dict(sd)
-        return model.to(dtype)
+def _silu_mul_backward(dh, g, u):
+    """Gradients of h = silu(g) * u, in fp32 and rounded once: silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g)."""
+    acc = torch.promote_types(dh.dtype, torch.float32)
+    dh, gf, uf = dh.to(acc), g.to(acc), u.to(acc)
+    s = torch.sigmoid(gf)
+    return (dh * uf * s * (1 + gf * (1 - s))).to(g.dtype), (dh * gf * s).to(u.dtype)
 
-    def save_pretrained(self, out_dir: str, state_dict=None, max_shard_bytes: int = 5 * 2**30):
-        save_hf_checkpoint(out_dir, self.cfg, state_dict if state_dict is not None else self.state_dict(),
-                           max_shard_bytes)
 
+class _TiledMLP(torch.autograd.Function):
+    """SwiGLU over tiles of rows (tokens), each tile's forward and backward on its own, so the four
+    [T, intermediate] tensors exist one tile at a time (at 1M tokens and Qwen3-8B's intermediate 12,288 they
+    are 96 GiB whole in bf16). The backward is written out: per tile, the recomputed gate/up, one fused kernel
+    for the SwiGLU gradient, and the weight gradients added by the GEMMs straight into fp32 buffers, rounded
+    once."""
+
+    @staticmethod
+    def forward(ctx, x, tile, value_is_read, w_gate, w_up, w_down):
+        ctx.tile = tile
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        if not value_is_read:  # a recomputed block's backward: only the graph is used, and backward below
+            return x.new_empty(x.shape)  # recomputes per tile anyway. Uninitialised: never read
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.cat([_swiglu(xt, w_gate, w_up, w_down) for xt in rows.split(tile)]).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wg, wu, wd = ctx.saved_tensors
+        rows, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+        dx = torch.empty_like(rows)
+        dwg, dwu, dwd = (torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in (wg, wu, wd))
+        for xt, dyt, dxt in zip(rows.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
+            g, u = F.linear(xt, wg), F.linear(xt, wu)                        # [t, I]
+            addmm_fp32_(dwd, dyt.T, fused(_silu_mul, g)(g, u))               # dW_down += dy^T h
+            dg, du = fused(_silu_mul_backward, g)(dyt @ wd, g, u)            # dh = dy W_down
+            torch.mm(dg, wg, out=dxt)
+            dxt.addmm_(du, wu)                                               # dx = dg W_gate + du W_up
+            addmm_fp32_(dwg, dg.T, xt)
+            addmm_fp32_(dwu, du.T, xt)
+        return dx.view(x.shape), None, None, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype)
+
+
+# =============================================================================================
+# 3. HF I/O
+# =============================================================================================
 
 def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def resolve_checkpoint(path_or_hub_id: str) -> str:
+def local_folder(path_or_hub_id: str) -> str:
     """A local folder as is; otherwise a hub id fetched with snapshot_download (config, weights, tokenizer)."""
     if os.path.isdir(path_or_hub_id):
         return path_or_hub_id
     looks_local = path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1
     if looks_local:
-        raise FileNotFoundError(f"model {path_or_hub_id!r}: no such folder, and not a hub id of the form "
-                                "'org/name'. Pass a folder with config.json (+ *.safetensors) or e.g. Qwen/Qwen3-8B.")
+        raise FileNotFoundError(f"{path_or_hub_id!r}: no such folder, and not a hub id of the form 'org/name'. "
+                                "Pass a folder with config.json (+ *.safetensors) or a hub id such as Qwen/Qwen3-8B.")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(path_or_hub_id, allow_patterns=["config.json", "*.safetensors", "*.json",
                                                                  "tokenizer*", "*.txt"])
     except Exception as e:  # network, auth, missing repo: all end the same way for the user
         raise ConnectionError(f"could not download {path_or_hub_id!r} from the Hugging Face hub ({type(e).__name__}: "
-                           f"{e}). Check the network and HF_TOKEN, or download it elsewhere and pass the local "
-                           "folder with --model.") from e
+                              f"{e}). Check the network and HF_TOKEN, or download it elsewhere and pass the local "
+                              "folder instead.") from e
 
 
 def load_hf_state_dict(path: str, names: list[str], dtype) -> dict | None:
@@ -618,7 +673,7 @@ def load_hf_state_dict(path: str, names: list[str], dtype) -> dict | None:
     return {n: tensors[h].to(dtype) for n, h in want.items()}
 
 
-def save_hf_checkpoint(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int):
+def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):
     """config.json + safetensors shards (+ index when sharded) that transformers loads as Qwen3ForCausalLM."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)

@@ -6,13 +6,22 @@ ranks of a context-parallel group, data parallel over the rest.
 
 Every field of TrainConfig is a flag (`--key value`, booleans take true/false). The resolved config is printed
 and saved in --out_dir; each step appends a line to --out_dir/metrics.jsonl.
+
+A run is its --out_dir. Relaunching the same command after any stop (a crash, kill -9, SIGTERM, a requeue, a
+torchrun restart) continues from the newest complete checkpoint in out_dir/checkpoints (checkpoint.py) with the
+same losses as if it had never stopped. SIGTERM, SIGINT and SIGUSR1 end the run at the next step boundary with a
+checkpoint and exit code 75 (EXIT_PREEMPTED). A step whose loss or gradient norm is not finite changes no weight.
 """
+import contextlib
 import dataclasses
+import datetime
+import hashlib
 import json
 import math
 import os
 import resource
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -21,6 +30,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+import checkpoint
+
+EXIT_PREEMPTED = 75  # a signal asked the run to stop; it saved a checkpoint: relaunch the same command to continue
 
 
 @dataclass
@@ -54,19 +67,26 @@ class TrainConfig:
     param_dtype: str = "float32"  # the sharded weights, their gradients and AdamW states (and --save_dir's files).
                                   # bfloat16 halves their memory, but an AdamW update below bf16's resolution
                                   # (~1/256 of the weight) is lost: at lr 1e-5 most weights would never move
-    checkpoint: bool = True       # recompute each block in backward, keeping only its input
-    offload: bool = True          # keep those inputs in pinned host memory
-    offload_layers: int = 0       # offload only the first N blocks' inputs (0 = all): when host RAM is short
-    keep_attention: bool = True   # keep attention's output + lse (offloaded with --offload) instead of
-                                  # recomputing attention's forward in backward: -18% at 4B/131k
+    attn_backend: str = "auto"    # auto | fa4 | cudnn | flash: the CUDA attention kernels (parallel.py)
+    # memory levers (model.py, section 2)
+    recompute: bool = True        # recompute each block in backward, keeping only its input (was --checkpoint)
+    offload: bool = True          # keep what is kept in pinned host memory
+    offload_layers: int = 0       # offload only the first N blocks' tensors (0 = all): when host RAM is short
+    keep_attention: bool = True   # keep attention's output + lse instead of recomputing attention in backward
     tiled_mlp: bool = True        # compute the MLP in sequence tiles of mlp_tile rows
     mlp_tile: int = 16384
     loss_chunk: int = 2048        # rows of the chunked loss (bench/bench_loss.py: 3% slower than 4096, 1.8 GiB less)
     peak_tflops: float = 989.0    # per GPU, dense bf16 (H100/H200 SXM), for MFU
+    # the run: its folder, checkpoints, resume, the HF export
     out_dir: str = "runs/qwen3-8b-1m"
-    save_dir: str = ""            # "" = no final save; else an HF-format folder
-    ckpt_every: int = 0           # every N steps, a resumable checkpoint in out_dir/checkpoint (0 = never)
-    resume: str = ""              # a checkpoint folder to continue from (weights, optimizer, data position, step)
+    ckpt_every: int = 0           # a checkpoint every N steps (0 = by time only); always one at the end
+    ckpt_every_min: float = 30.0  # ... and one when this many minutes have passed since the last (0 = off)
+    keep_checkpoints: int = 2     # the newest K are kept; older ones are deleted once a newer one is complete
+    resume: str = "auto"          # auto: continue from out_dir's newest checkpoint if any | none | a checkpoint folder
+    overwrite: bool = False       # with --resume none: allow replacing an earlier run's files in out_dir
+    save_dir: str = ""            # "" = no export; else an HF-format folder (weights, config, tokenizer) at the end
+    max_skipped_steps: int = 3    # stop after this many steps in a row with a non-finite loss or gradient norm
+    dist_timeout_min: float = 30.0  # a collective (or start-up) waiting longer than this stops the run
     profile_step: int = 0         # >0: trace this step with torch.profiler (+ CUDA memory history) into
                                   # out_dir/profile/; bench/profile_step.py summarises it. The step runs slower
 
@@ -78,40 +98,38 @@ PRESETS = {
                  lr=3e-3, warmup_steps=10, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
                  tiled_mlp=False, loss_chunk=512, out_dir="runs/demo"),
 }
+OLD_FLAG_NAMES = {"checkpoint": "recompute"}
 
 
 def parse_args(argv) -> TrainConfig:
     """--config NAME picks a preset; every other --key value overrides one field."""
-    if len(argv) % 2:
-        raise SystemExit(f"arguments come in --key value pairs; got {argv}")
-    pairs = dict(zip(argv[::2], argv[1::2]))
-    if any(not k.startswith("--") for k in pairs):
-        raise SystemExit(f"arguments come in --key value pairs; got {argv}")
-    pairs = {k[2:]: v for k, v in pairs.items()}
+    if len(argv) % 2 or any(not k.startswith("--") for k in argv[::2]):
+        raise SystemExit(f"error: arguments come in --key value pairs; got {argv}")
+    pairs = {OLD_FLAG_NAMES.get(k[2:], k[2:]): v for k, v in zip(argv[::2], argv[1::2])}
     name = pairs.get("config", TrainConfig.config)
     if name not in PRESETS:
-        raise SystemExit(f"--config {name}: unknown preset; choose one of {sorted(PRESETS)}")
+        raise SystemExit(f"error: --config {name}: unknown preset; choose one of {sorted(PRESETS)}")
     cfg = TrainConfig(**{**PRESETS[name], "config": name})
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for key, text in pairs.items():
         if key not in fields:
-            raise SystemExit(f"--{key}: unknown flag; the flags are {', '.join('--' + f for f in fields)}")
+            raise SystemExit(f"error: --{key}: unknown flag; the flags are {', '.join('--' + f for f in fields)}")
         kind = type(getattr(cfg, key))
         if kind is bool:
             if text.lower() not in ("true", "false"):
-                raise SystemExit(f"--{key} takes true or false, not {text!r}")
+                raise SystemExit(f"error: --{key} takes true or false, not {text!r}")
             value = text.lower() == "true"
         else:
             try:
                 value = kind(text.replace("_", "")) if kind in (int, float) else text
             except ValueError:
-                raise SystemExit(f"--{key} takes a {kind.__name__}, not {text!r}") from None
+                raise SystemExit(f"error: --{key} takes a {kind.__name__}, not {text!r}") from None
         setattr(cfg, key, value)
     return cfg
 
 
-def check_config(cfg: TrainConfig, world: int):
-    """Everything that can be said about the flags before any work starts (the same on every rank)."""
+def check_config(cfg: TrainConfig, world: int) -> int:
+    """Everything that can be said about the flags before any work starts (the same on every rank); -> cp."""
     def need(ok, msg):
         if not ok:
             raise SystemExit(f"error: {msg}")
@@ -119,20 +137,23 @@ def check_config(cfg: TrainConfig, world: int):
     need(cfg.device == "cpu" or torch.cuda.is_available(), "--device cuda but no GPU is visible; use --device cpu")
     for key in ("dtype", "param_dtype"):
         need(getattr(cfg, key) in ("bfloat16", "float32"), f"--{key} {getattr(cfg, key)}: use bfloat16 or float32")
+    need(cfg.attn_backend in ("auto", "fa4", "cudnn", "flash"),
+         f"--attn_backend {cfg.attn_backend}: use auto, fa4, cudnn or flash")
     need(cfg.cp >= 0, f"--cp {cfg.cp}: must be >= 1 (or 0 for the world size)")
     cp = cfg.cp or world
     need(world % cp == 0, f"--cp {cp} does not divide the world size {world}; data parallel = world / cp")
     need(cfg.seq_len > 0 and cfg.seq_len % (2 * cp) == 0,
          f"--seq_len {cfg.seq_len} must be a positive multiple of 2*cp = {2 * cp} (zigzag sharding cuts the "
          f"sequence into 2*cp equal chunks); e.g. --seq_len {max(2 * cp, cfg.seq_len // (2 * cp) * 2 * cp)}")
-    for key in ("grad_accum", "max_steps", "loss_chunk"):
+    for key in ("grad_accum", "max_steps", "loss_chunk", "keep_checkpoints", "max_skipped_steps"):
         need(getattr(cfg, key) >= 1, f"--{key} must be >= 1")
     need(cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.warmup_steps >= 0, "--lr > 0, 0 <= --min_lr_ratio <= 1, "
          "--warmup_steps >= 0")
-    need(cfg.ckpt_every >= 0, "--ckpt_every must be >= 0")
-    need(not cfg.resume or os.path.isfile(os.path.join(cfg.resume, "trainer.json")),
-         f"--resume {cfg.resume}: not a checkpoint folder (no trainer.json); use out_dir/checkpoint of a run "
-         "made with --ckpt_every")
+    need(cfg.ckpt_every >= 0 and cfg.ckpt_every_min >= 0, "--ckpt_every and --ckpt_every_min must be >= 0")
+    need(cfg.dist_timeout_min > 0, "--dist_timeout_min must be > 0")
+    need(cfg.resume in ("auto", "none") or os.path.isfile(os.path.join(cfg.resume, "manifest.json")),
+         f"--resume {cfg.resume}: not a checkpoint folder (no manifest.json); use auto, none, or a folder "
+         "out_dir/checkpoints/step_NNNNNNN")
     need(0 <= cfg.profile_step <= cfg.max_steps, f"--profile_step {cfg.profile_step}: 0 (off) or a step in "
          f"1..--max_steps; the first step includes warm-up, so 2 is the usual choice")
     need(cfg.grad_clip >= 0 and cfg.weight_decay >= 0, "--grad_clip and --weight_decay must be >= 0")
@@ -140,6 +161,24 @@ def check_config(cfg: TrainConfig, world: int):
     need(cfg.yarn_factor == 0 or (cfg.yarn_factor >= 1 and cfg.yarn_original_max_position_embeddings >= 1),
          "--yarn_factor must be 0 (off) or >= 1, with --yarn_original_max_position_embeddings >= 1")
     return cp
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks: start-up, agreeing, stopping together
+# ---------------------------------------------------------------------------------------------
+
+def init_distributed(cfg: TrainConfig):
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` runs as a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(minutes=cfg.dist_timeout_min))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def on_rank0(fn, group=None):
@@ -150,10 +189,10 @@ def on_rank0(fn, group=None):
         try:
             msg[0] = fn()
         except Exception as e:  # reported on every rank below
-            msg[1] = f"{type(e).__name__}: {e}"
+            msg[1] = f"{type(e).__name__}: {e}" if not isinstance(e, SystemExit) else str(e.code)
     dist.broadcast_object_list(msg, src=0, group=group)
     if msg[1] is not None:
-        raise SystemExit(f"error (on rank 0): {msg[1]}")
+        raise SystemExit(msg[1] if msg[1].startswith("error") else f"error (on rank 0): {msg[1]}")
     return msg[0]
 
 
@@ -166,41 +205,72 @@ def all_ok(ok: bool, what: str, device):
         raise SystemExit(f"error: {what} failed {where} (see the message above); stopping")
 
 
-def init_distributed(device: str):
-    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` runs as a world of one."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+class StopRequest:
+    """SIGTERM, SIGINT and SIGUSR1 (what schedulers send before preemption) only set a flag: the step in flight
+    finishes, and at its end all ranks agree to save and exit. A second SIGINT stops at once. A worker whose
+    launcher (torchrun) died stops the same way instead of training on as an orphan."""
+
+    def __init__(self):
+        self.signal = None
+        self.parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signal == "SIGINT" and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def reason(self) -> str | None:
+        if self.signal:
+            return self.signal
+        if self.parent is not None and os.getppid() != self.parent:
+            return "the launcher (torchrun) died"
+        return None
+
+
+def agree(flags: list[bool], device) -> list[bool]:
+    """One collective: each flag is true on every rank if it is true on any."""
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building: model, optimizer, data
+# ---------------------------------------------------------------------------------------------
+
+def model_folder(spec: str) -> str:
+    """--model as a local folder (a hub id is downloaded); errors name the flag."""
+    from model import local_folder
+    try:
+        return local_folder(spec)
+    except (OSError, ValueError) as e:
+        raise type(e)(f"--model {e}") from None
 
 
 def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     """Meta-device model -> FSDP2 shards -> weights read (or drawn) once on rank 0 and broadcast."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from model import Qwen3, Qwen3Config, load_hf_state_dict, resolve_checkpoint
+    from model import Qwen3, Qwen3Config, load_hf_state_dict
     from parallel import shard_model
-    path = None if cfg.model == "tiny" else on_rank0(lambda: resolve_checkpoint(cfg.model))  # downloads once
+    path = None if cfg.model == "tiny" else on_rank0(lambda: model_folder(cfg.model))  # downloads once
     if path is not None and not os.path.isdir(path):  # another node without rank 0's disk: its own copy
-        path = resolve_checkpoint(cfg.model)
+        path = model_folder(cfg.model)
     mcfg = Qwen3Config.tiny() if path is None else Qwen3Config.from_pretrained(path)
     if cfg.yarn_factor:
-        mcfg.with_yarn(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
+        mcfg = mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
     pdtype = getattr(torch, cfg.param_dtype)
     with torch.device("meta"):
         model = Qwen3(mcfg, attn_fn).to(pdtype)
-    names = list(model.state_dict())  # before sharding: reading an FSDP module's state dict is collective
-    model.set_levers(checkpoint=cfg.checkpoint, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0,
+    shapes = {n: list(t.shape) for n, t in model.state_dict().items()}  # before sharding (then it is collective)
+    model.set_levers(recompute=cfg.recompute, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0,
                      offload_layers=cfg.offload_layers, keep_attention=cfg.keep_attention)
     shard_model(model, mesh, param_dtype=dtype)  # FSDP2 gathers the pdtype shards as dtype for compute
     model.to_empty(device=device)
 
     def full_state_dict():
-        sd = load_hf_state_dict(path, names, pdtype) if path else None
+        sd = load_hf_state_dict(path, list(shapes), pdtype) if path else None
         if sd is None:  # same draw for any world size: the cp-equivalence of runs depends on it
             if path:
                 warnings.warn(f"{path} has no *.safetensors: training from random initialisation")
@@ -213,12 +283,12 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     on_rank0(lambda: held.update(sd=full_state_dict()))
     set_model_state_dict(model, held.get("sd", {}),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    return model, mcfg, path
+    return model, mcfg, path, shapes
 
 
 def check_host_memory(cfg, mcfg, cp, dtype, log):
-    """Pinned host memory for offloaded block inputs: say how much, and stop before the first step if this
-    machine cannot hold it for all of its ranks (pinned pages cannot be swapped out)."""
+    """Pinned host memory for offloaded tensors: say how much, and stop before the first step if this machine
+    cannot hold it for all of its ranks (pinned pages cannot be swapped out)."""
     layers = min(cfg.offload_layers or mcfg.num_hidden_layers, mcfg.num_hidden_layers)
     per_token = mcfg.hidden_size * dtype.itemsize  # the block input
     if cfg.keep_attention:  # + the attention output and its fp32 log-sum-exp
@@ -228,16 +298,25 @@ def check_host_memory(cfg, mcfg, cp, dtype, log):
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     log(f"offload: {layers} blocks' kept tensors, {per_rank / 2**30:.1f} GiB of pinned host memory per rank, "
         f"{local * per_rank / 2**30:.1f} GiB for the {local} rank(s) of this node ({total / 2**30:.0f} GiB RAM)")
+    # 10% of RAM is left to the OS, page cache and the processes' own (unpinned) memory: an estimate, not a
+    # measurement; --offload_layers lowers the pinned amount when this check is too strict or too loose
     if local * per_rank > 0.9 * total:
         raise SystemExit(f"error: offloading needs {local * per_rank / 2**30:.0f} GiB of host RAM on this node but "
                          f"it has {total / 2**30:.0f} GiB; use --offload_layers N (fewer blocks offloaded), more "
                          "context parallelism (--cp), or --offload false")
 
 
+def make_optimizer(cfg: TrainConfig, model):
+    """AdamW with its states allocated now rather than in the first step: one step with zero gradients at lr 0
+    (which changes no weight), then its step count rewound. The first step's peak memory is then the run's,
+    and a run that does not fit stops in step 1, not in step 2."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
+    init_optimizer_state(opt)
+    return opt
+
+
 def init_optimizer_state(opt):
-    """Allocate AdamW's states now rather than in the first step: one step with zero gradients at lr 0 (which
-    changes no weight), then its step count rewound. The first step's peak memory is then the run's, and a
-    run that does not fit stops in step 1, not in step 2."""
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -250,6 +329,82 @@ def init_optimizer_state(opt):
     for state in opt.state.values():
         state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
 
+
+class DataEnd(Exception):
+    """The (finite) data ran out: the run ends as at --max_steps."""
+
+
+class Batches:
+    """This rank's micro-batches, [(inputs [1, T/cp], labels [1, T/cp])] * grad_accum per step. The windows are
+    read once per context-parallel group (on its first rank) and broadcast to the rest of the group."""
+
+    def __init__(self, cfg: TrainConfig, mcfg, model_path, cp_group, dp_rank, dp, device):
+        import data
+        from parallel import zigzag_shard
+        self.cfg, self.group, self.device, self.shard = cfg, cp_group, device, zigzag_shard
+        self.cp_rank, self.cp = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+        self.src = dist.get_global_rank(cp_group, 0)
+        self.loader, rank = None, dist.get_rank()
+        if self.cp_rank == 0:
+            try:
+                tok = data.load_tokenizer(tokenizer_spec(cfg, model_path))
+                if tok.vocab_size > mcfg.vocab_size:
+                    raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
+                                     f"{mcfg.vocab_size}; use the model's own tokenizer")
+                kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=cfg.data_split, text_column=cfg.data_column)
+                if cfg.data_repo:
+                    kw["repo"] = cfg.data_repo
+                books = lambda start_book: data.iter_books(cfg.data, start_book=start_book, **kw)  # noqa: E731
+                self.loader = data.WindowLoader(books, tok, cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
+            except Exception as e:  # the tokenizers library raises plain Exceptions for a file it cannot parse
+                print(f"error (rank {rank}): data: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
+        all_ok(self.cp_rank != 0 or self.loader is not None, "setting up the data", device)
+
+    def _window(self):
+        w, ok, ended = torch.empty(self.cfg.seq_len + 1, dtype=torch.long), True, False
+        if self.loader is not None:
+            try:
+                w = next(self.loader)
+            except StopIteration:
+                ended = True
+            except Exception as e:  # every rank must hear of it, or the others hang in the next collective
+                print(f"error (rank {dist.get_rank()}): reading data: {type(e).__name__}: {e}", file=sys.stderr)
+                ok = False
+        all_ok(ok, "reading data", self.device)
+        if agree([ended], self.device)[0]:
+            raise DataEnd
+        w = w.to(self.device)
+        dist.broadcast(w, src=self.src, group=self.group)
+        return w
+
+    def next(self):
+        batch = []
+        for _ in range(self.cfg.grad_accum):
+            w = self._window()                                         # [T + 1], the whole sequence
+            inputs = self.shard(w[:-1], 0, self.cp_rank, self.cp)[None]  # [1, T/cp]
+            labels = self.shard(w[1:], 0, self.cp_rank, self.cp)[None]   # shifted on the whole sequence, then sharded
+            batch.append((inputs, labels))
+        return batch
+
+    def state_dict(self):  # rank 0 reads the first data-parallel group's windows: its state is everyone's
+        return self.loader.state_dict() if self.loader is not None else None
+
+    def load_state_dict(self, sd):
+        if self.loader is not None:
+            self.loader.load_state_dict(sd)
+
+    def close(self):
+        if self.loader is not None:
+            self.loader.close()
+
+
+def tokenizer_spec(cfg: TrainConfig, model_path) -> str:
+    return cfg.tokenizer or model_path or ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup over warmup_steps, then cosine down to lr * min_lr_ratio at max_steps (steps from 1)."""
@@ -269,57 +424,205 @@ def step_flops(mcfg, seq_len: int) -> float:
     return 6 * matmul_params * seq_len + attention
 
 
-def save_checkpoint(path, model, opt, step, data_state):
-    """A resumable checkpoint: model and optimizer shards (torch.distributed.checkpoint, each rank writes its
-    own), the step and the data position. Written beside the old one, then swapped in, so a crash while
-    saving leaves the previous checkpoint whole."""
-    import torch.distributed.checkpoint as dcp
+def train_step(model, opt, batch, positions, n_tokens: int, cfg: TrainConfig, lr: float):
+    """Forward + backward over the micro-batches, clip, AdamW. -> (loss, grad_norm, applied), where loss is the
+    global mean NLL over the n_tokens target tokens of every rank and micro-batch. A non-finite loss or grad
+    norm (the same on every rank: both are all-reduced) skips the update: no weight changes."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss_sum = torch.zeros((), device=positions.device)
+    for inputs, labels in batch:
+        s, _ = model(inputs, positions, labels, loss_chunk=cfg.loss_chunk)
+        (s / n_tokens).backward()  # each rank's share of the global mean; FSDP2 sums the gradients
+        loss_sum += s.detach()
+    dist.all_reduce(loss_sum)
+    grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    loss = loss_sum / n_tokens
+    applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if applied:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), grad_norm.item(), applied
+
+
+def clip_grad_norm_(params, max_norm):
+    from parallel import clip_grad_norm_ as clip  # a module-level name, so that tests can wrap it
+    return clip(params, max_norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints, the HF export, checks before the first step
+# ---------------------------------------------------------------------------------------------
+
+def fingerprint(cfg: TrainConfig, mcfg, shapes: dict, model_path) -> dict:
+    """What a checkpoint must share with this run to be resumed by it: the model (config and every parameter's
+    full shape: world-independent), the data source and the tokenizer."""
+    spec = tokenizer_spec(cfg, model_path)
+    tok = spec
+    f = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if os.path.isfile(f):
+        with open(f, "rb") as fh:
+            tok = "sha256:" + hashlib.sha256(fh.read()).hexdigest()
+    model = {k: v for k, v in dataclasses.asdict(mcfg).items() if k != "raw"}
+    return {"model": model, "shapes": hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest(),
+            "data": {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
+                                                  "seq_len", "seed")},
+            "tokenizer": tok}
+
+
+def all_finite(model) -> bool:
+    """True on every rank if every rank's weight shards are finite."""
+    from parallel import _local
+    bad = sum(int((~torch.isfinite(_local(p))).sum()) for p in model.parameters())
+    t = torch.tensor([float(bad)], device=next(model.parameters()).device)
+    dist.all_reduce(t)
+    return t.item() == 0
+
+
+def save_checkpoint(cfg: TrainConfig, run, step: int, log):
+    """A checkpoint of step `step` in out_dir/checkpoints (checkpoint.save), never of non-finite weights."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_sd, optim_sd = get_state_dict(model, opt)
-    tmp, old = path + ".tmp", path + ".old"
-    if dist.get_rank() == 0:
+    if not all_finite(run.model):
+        raise SystemExit(f"error: the weights hold non-finite values at step {step}; not saving them. The newest "
+                         "checkpoint in out_dir is the last good state")
+    t0 = time.time()
+    model_sd, optim_sd = get_state_dict(run.model, run.opt)
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    checkpoint.save(root, step, {"model": model_sd, "optim": optim_sd},
+                    {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg)},
+                    run.fingerprint, keep=cfg.keep_checkpoints)
+    log(f"checkpoint: step {step} saved to {checkpoint.step_dir(root, step)} in {time.time() - t0:.1f} s")
+
+
+def find_resume_point(cfg: TrainConfig, fp: dict, log) -> str | None:
+    """Rank 0: the checkpoint to continue from (None: start fresh), after checking it belongs to this run."""
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    if cfg.resume == "none":
+        earlier = [f for f in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(cfg.out_dir, f))]
+        if earlier and not cfg.overwrite:
+            raise SystemExit(f"error: --out_dir {cfg.out_dir} holds an earlier run ({', '.join(earlier)}); use "
+                             "--resume auto to continue it, another --out_dir, or --overwrite true to replace it")
+        if earlier:
+            checkpoint.remove_dir(root)
+        return None
+    if cfg.resume != "auto":
+        problem = checkpoint.verify(cfg.resume)
+        if problem:
+            raise SystemExit(f"error: --resume {cfg.resume}: {problem}")
+        path = cfg.resume
+    else:
+        checkpoint.clean_leftovers(root)
+        path = checkpoint.newest_valid(root, log)
+        if path is None:
+            return None
+    diff = checkpoint.fingerprint_mismatch(checkpoint.read_manifest(path)["fingerprint"], fp)
+    if diff:
+        raise SystemExit(f"error: checkpoint {path} belongs to another run: {diff}. Use the same model, data and "
+                         "tokenizer, or another --out_dir (or --resume none --overwrite true)")
+    return path
+
+
+def check_outputs(cfg: TrainConfig, n_params: int, log):
+    """Rank 0, before the first step: every output folder writable and not under a file, and free disk for a
+    checkpoint (weights + two AdamW states, in param_dtype) and the export."""
+    pbytes = getattr(torch, cfg.param_dtype).itemsize
+    needs = [(cfg.out_dir, "--out_dir", 3 * n_params * pbytes)]
+    if cfg.save_dir:
+        needs.append((cfg.save_dir, "--save_dir", n_params * pbytes))
+    for path, flag, size in needs:
+        parent = os.path.abspath(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise SystemExit(f"error: {flag} {path}: {parent} is a file, not a folder; choose another {flag}")
+        if not os.access(parent, os.W_OK):
+            raise SystemExit(f"error: {flag} {path}: {parent} is not writable; choose another {flag}")
+        free = shutil.disk_usage(parent).free
+        if free < size * 1.05:  # 5%: the manifests, trainer.json, safetensors headers
+            raise SystemExit(f"error: {flag} {path}: {free / 2**30:.2f} GiB free on its disk, but a "
+                             f"{'checkpoint' if flag == '--out_dir' else 'export'} needs about {size / 2**30:.2f} "
+                             f"GiB; free space or choose another {flag}")
+    log(f"outputs: a checkpoint is about {3 * n_params * pbytes / 2**30:.2f} GiB; {cfg.keep_checkpoints} kept")
+
+
+def export_hf(cfg: TrainConfig, model, mcfg, model_path, log):
+    """The HF export (--save_dir): weights + config.json + the tokenizer the run used, written beside the
+    folder and renamed into place, so --save_dir is never a mix of two saves."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from model import save_hf
+    if not all_finite(model):
+        raise SystemExit("error: the weights hold non-finite values; not exporting them to --save_dir")
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def write():
+        final = os.path.abspath(cfg.save_dir)
+        tmp = f"{final}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    if dist.get_rank() == 0:  # rank 0 reads the first data-parallel group's data: the same position as all
-        with open(os.path.join(tmp, "trainer.json"), "w") as fh:
-            json.dump({"step": step, "data": data_state}, fh)
-        if os.path.isdir(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            save_hf(tmp, mcfg, sd)
+            spec = tokenizer_spec(cfg, model_path)
+            if os.path.isfile(spec):
+                shutil.copy(spec, os.path.join(tmp, "tokenizer.json"))
+            for f in os.listdir(spec) if os.path.isdir(spec) else []:
+                if f.startswith("tokenizer") or f in ("vocab.json", "merges.txt", "generation_config.json"):
+                    shutil.copy(os.path.join(spec, f), tmp)
+            checkpoint.publish(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log(f"exported HF weights to {cfg.save_dir}")
+    on_rank0(write)
 
 
-def load_checkpoint(path, model, opt):
-    """Restores what save_checkpoint wrote (any world size: the shards are resharded); -> (step, data state)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_sd, optim_sd = get_state_dict(model, opt)
-    sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    with open(os.path.join(path, "trainer.json")) as fh:
-        meta = json.load(fh)
-    return meta["step"], meta["data"]
+class Metrics:
+    """out_dir/metrics.jsonl on rank 0: one JSON object per step. On resume the rows after the checkpoint's
+    step are cut, so the file holds exactly one row per step. A non-finite value is written as null, and the
+    row names it under "nonfinite" (bare NaN is not JSON)."""
+
+    def __init__(self, path: str, resumed_step: int):
+        rows = []
+        if resumed_step and os.path.exists(path):
+            with open(path) as fh:
+                for line in fh:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:  # a line cut short by a kill
+                        continue
+                    if row.get("step", 0) <= resumed_step:
+                        rows.append(line if line.endswith("\n") else line + "\n")
+        with open(path + ".tmp", "w") as fh:
+            fh.writelines(rows)
+        os.replace(path + ".tmp", path)
+        self.fh = open(path, "a")
+
+    def write(self, rec: dict):
+        bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+        rec = {k: (None if k in bad else v) for k, v in rec.items()}
+        if bad:
+            rec["nonfinite"] = bad
+        self.fh.write(json.dumps(rec, allow_nan=False) + "\n")
+        self.fh.flush()
 
 
-def offload_bytes(model) -> int:
-    return model.layers[0].offload.host_bytes() if model.layers[0].offload is not None else 0
+# ---------------------------------------------------------------------------------------------
+# Profiling one step
+# ---------------------------------------------------------------------------------------------
 
-
-def profile_begin(cfg: TrainConfig):
-    """Start torch.profiler (and, on CUDA, the allocator's event history) for one step."""
+@contextlib.contextmanager
+def profiled(cfg: TrainConfig, step: int, rank: int, log):
+    """Trace step --profile_step with torch.profiler (and, on CUDA, the allocator's event history)."""
+    if step != cfg.profile_step:
+        yield
+        return
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cfg.device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
+        # 2M events: enough for one Qwen3-8B step at 1M tokens (~1M allocations and frees); each event costs
+        # a few hundred bytes of host memory
         torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     prof = torch.profiler.profile(activities=acts)
     prof.start()
-    return prof
-
-
-def profile_end(prof, cfg: TrainConfig, rank: int, log):
+    yield
     prof.stop()
     d = os.path.join(cfg.out_dir, "profile")
     os.makedirs(d, exist_ok=True)
@@ -330,173 +633,184 @@ def profile_end(prof, cfg: TrainConfig, rank: int, log):
     log(f"profile of step {cfg.profile_step} written to {d} (summary: python bench/profile_step.py --dir {d})")
 
 
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
 def main(argv):
     t_start = time.time()
     cfg = parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
-    world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    cp = check_config(cfg, world_env)
-    rank, world = init_distributed(cfg.device)
+    cp = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    stop = StopRequest()
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        train(cfg, cp, rank, world, t_start)
-    except (ValueError, OSError) as e:  # bad input found after start-up (model files, data): no traceback
-        raise SystemExit(f"error (rank {rank}): {type(e).__name__}: {e}") from None
+        rank, world = init_distributed(cfg)
+        code = train(cfg, cp, rank, world, t_start, stop)
+    except (ValueError, OSError) as e:  # bad input found after start-up (model files, data, disk): no traceback
+        raise SystemExit(f"error (rank {rank}): {type(e).__name__}: {str(e).splitlines()[0]}") from None
     except torch.OutOfMemoryError as e:
         raise SystemExit(f"error (rank {rank}): out of GPU memory at --seq_len {cfg.seq_len} with --cp {cp} "
                          f"({str(e).splitlines()[0]}). Less memory per GPU: a larger --cp (more GPUs per "
                          "sequence), --offload true, --tiled_mlp true with a smaller --mlp_tile, a smaller "
                          "--loss_chunk, or a shorter --seq_len") from None
+    except dist.DistError as e:  # a peer died, or a collective waited past the timeout
+        raise SystemExit(f"error (rank {rank}): another rank stopped or hangs ({str(e).splitlines()[0][:200]}); "
+                         f"see its message. A collective waits at most --dist_timeout_min {cfg.dist_timeout_min:g}; "
+                         "relaunch the same command to continue from the newest checkpoint") from None
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
 
 
-def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+@dataclass
+class Run:
+    """What the loop works on, built by start_run."""
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    batches: Batches
+    positions: torch.Tensor  # [1, T/cp] this rank's global positions (zigzag)
+    n_tokens: int            # target tokens per step over all ranks and micro-batches
+    flops: float             # useful FLOPs per step over all ranks
+    fingerprint: dict
+    done: int                # steps already trained (from the checkpoint resumed)
+    metrics: "Metrics | None"
+    mcfg: object
+    model_path: str | None
+
+
+def start_run(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> Run:
+    """Meshes, model, optimizer, data; then the checkpoint to resume (if any), the output checks and the log."""
     from torch.distributed.device_mesh import init_device_mesh
-    import data
-    from model import save_hf_checkpoint
-    from parallel import RingAttention, clip_grad_norm_, zigzag_positions, zigzag_shard
-
+    from parallel import RingAttention, zigzag_positions
     dp = world // cp
     dp_rank, cp_rank = divmod(rank, cp)  # a context-parallel group is cp consecutive ranks: one node when it fits
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg.dtype)
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-    log(f"world {world} = data parallel {dp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
-    if rank == 0:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as fh:
-            json.dump(dataclasses.asdict(cfg), fh, indent=2)
     torch.manual_seed(cfg.seed)
-
     mesh = init_device_mesh(cfg.device, (dp, cp), mesh_dim_names=("dp", "cp"))
-    cp_group = mesh.get_group("cp")
-    fsdp_mesh = init_device_mesh(cfg.device, (world,))
-    model, mcfg, path = build_model(cfg, fsdp_mesh, RingAttention(cp_group), dtype, device)
-    n_params = sum(p.numel() for p in model.parameters())
+    attn = RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
+    model, mcfg, path, shapes = build_model(cfg, init_device_mesh(cfg.device, (world,)), attn, dtype, device)
+    n_params = sum(math.prod(s) for s in shapes.values())
     log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {n_params / 1e9:.3f} B parameters, "
-        f"rope_scaling {mcfg.rope_scaling}")
+        f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}")
     if cfg.offload:
         check_host_memory(cfg, mcfg, cp, dtype, log)
     if cfg.param_dtype == "bfloat16":
         log("warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
             "1/256 of a weight rounds away (at lr 1e-5, 98% of weights do not move). Use float32 unless you are "
             "matching a bf16 recipe (as bench/ does, for the single-GPU reference)")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                            weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
-    init_optimizer_state(opt)
+    opt = make_optimizer(cfg, model)
+    batches = Batches(cfg, mcfg, path, mesh.get_group("cp"), dp_rank, dp, device)
 
-    # Data: made once per context-parallel group (on its first rank) and broadcast to the rest of the group.
-    loader = None
-    if cp_rank == 0:
-        tok_spec = cfg.tokenizer or path or ""
-        try:
-            tok = data.load_tokenizer(tok_spec)
-            if tok.vocab_size > mcfg.vocab_size:
-                raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                                 f"{mcfg.vocab_size}; use the model's own tokenizer")
-            kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=cfg.data_split, text_column=cfg.data_column)
-            if cfg.data_repo:
-                kw["repo"] = cfg.data_repo
-            books = lambda start_book: data.iter_books(cfg.data, start_book=start_book, **kw)  # noqa: E731
-            loader = data.WindowLoader(books, tok, cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
-        except (OSError, ValueError, RuntimeError) as e:
-            print(f"error (rank {rank}): data: {e}", file=sys.stderr)
-    all_ok(cp_rank != 0 or loader is not None, "setting up the data", device)
-    src = dist.get_global_rank(cp_group, 0)
+    fp = fingerprint(cfg, mcfg, shapes, path)
+    resume_from, done = on_rank0(lambda: find_resume_point(cfg, fp, log)), 0
+    if resume_from:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        meta = checkpoint.load(resume_from, state)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        batches.load_state_dict(meta["data"])
+        done = meta["step"]
+        log(f"resumed from {resume_from} after step {done}")
+    on_rank0(lambda: check_outputs(cfg, n_params, log))
+    held = {}  # the log is opened (and cut back to the checkpoint's step) only now that the run is known to start
+    if done < cfg.max_steps:
+        on_rank0(lambda: held.update(metrics=open_log(cfg, done)))
+    return Run(model, opt, batches, zigzag_positions(cfg.seq_len, cp_rank, cp, device=device)[None],
+               cfg.seq_len * cfg.grad_accum * dp, step_flops(mcfg, cfg.seq_len) * cfg.grad_accum * dp, fp, done,
+               held.get("metrics"), mcfg, path)
 
-    def next_window():
-        w, ok = torch.empty(cfg.seq_len + 1, dtype=torch.long), True
-        if loader is not None:
-            try:
-                w = next(loader)
-            except StopIteration:
-                print(f"error (rank {rank}): the data ran out; use more data or fewer --max_steps", file=sys.stderr)
-                ok = False
-            except Exception as e:  # every rank must hear of it, or the others hang in the next collective
-                print(f"error (rank {rank}): reading data: {type(e).__name__}: {e}", file=sys.stderr)
-                ok = False
-        all_ok(ok, "reading data", device)
-        w = w.to(device)
-        dist.broadcast(w, src=src, group=cp_group)
-        return w
 
-    first = 1
-    if cfg.resume:
-        done, data_state = load_checkpoint(cfg.resume, model, opt)
-        if loader is not None:
-            loader.load_state_dict(data_state)
-        first = done + 1
-        log(f"resumed from {cfg.resume} after step {done}")
-    positions = zigzag_positions(cfg.seq_len, cp_rank, cp, device=device)[None]  # (1, T/cp)
-    flops = step_flops(mcfg, cfg.seq_len) * cfg.grad_accum * dp
-    metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a" if cfg.resume else "w") if rank == 0 else None
-    model.train()
-    for step in range(first, cfg.max_steps + 1):
+def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop: StopRequest) -> int:
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+    log(f"world {world} = data parallel {world // cp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
+    run = start_run(cfg, cp, rank, world, log)
+    if run.done >= cfg.max_steps:
+        log(f"the run in {cfg.out_dir} is complete (step {run.done} of --max_steps {cfg.max_steps}); nothing to do. "
+            "Raise --max_steps to train on, or use another --out_dir")
+        return 0
+    last_save, saved, skipped, zero_norm = time.time(), run.done, 0, 0
+    run.model.train()
+    for step in range(run.done + 1, cfg.max_steps + 1):
         t0 = time.time()
+        try:
+            batch = run.batches.next()
+        except DataEnd:
+            log(f"the data ran out after step {step - 1}; ending the run there, as at --max_steps")
+            if saved < step - 1:
+                save_checkpoint(cfg, run, step - 1, log)
+            break
         if cfg.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        prof = profile_begin(cfg) if step == cfg.profile_step else None
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        micro = []
-        for _ in range(cfg.grad_accum):
-            w = next_window()
-            inputs = zigzag_shard(w[:-1], 0, cp_rank, cp)[None]   # (1, T/cp)
-            labels = zigzag_shard(w[1:], 0, cp_rank, cp)[None]    # shifted on the whole sequence, then sharded
-            micro.append((inputs, labels))
-        # loss = global sum / global count of target tokens, over ranks and micro-steps alike
-        count = sum((lab != -100).sum() for _, lab in micro).float()
-        dist.all_reduce(count)
-        count.clamp_(min=1)  # a step with no target tokens has loss 0, not 0/0
-        loss_sum = torch.zeros((), device=device)
-        for inputs, labels in micro:
-            s, _ = model(inputs, positions, labels, loss_chunk=cfg.loss_chunk)
-            (s / count).backward()
-            loss_sum += s.detach()
-        dist.all_reduce(loss_sum)
-        grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = (loss_sum / count).item()  # syncs: the step's time below is real
-        if prof is not None:
-            profile_end(prof, cfg, rank, log)
-        if step == first:
+        with profiled(cfg, step, rank, log):
+            loss, grad_norm, applied = train_step(run.model, run.opt, batch, run.positions, run.n_tokens, cfg,
+                                                  lr_at(step, cfg))
+        if step == run.done + 1:
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
-        dt = time.time() - t0
-        peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else  # CPU: max RSS
-                             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64,
-                            device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        tokens = cfg.seq_len * cfg.grad_accum * dp
-        rec = dict(step=step, loss=loss, grad_norm=grad_norm.item(), num_tokens=tokens, lr=lr, step_time_s=dt,
-                   tokens_per_s=tokens / dt,
-                   mfu=flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
-                   peak_mem_gb=peak.item() / 1e9, offload_host_gb=offload_bytes(model) / 1e9)
-        if math.isnan(loss) or math.isinf(loss):
-            raise SystemExit(f"error: loss is {loss} at step {step}; lower --lr or check the data")
-        log(f"step {step:4d} | loss {loss:.4f} | grad norm {rec['grad_norm']:.3f} | lr {lr:.2e} | "
-            f"{rec['tokens_per_s']:,.0f} tok/s | " + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
-            + f"{dt:.2f} s | peak mem {rec['peak_mem_gb']:.1f} GB")
-        if metrics:
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-        if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.max_steps):
-            save_checkpoint(os.path.join(cfg.out_dir, "checkpoint"), model, opt, step,
-                            loader.state_dict() if loader is not None else None)
-    if loader is not None:
-        loader.close()
+        log_step(cfg, run, step, loss, grad_norm, applied, time.time() - t0, world, log)
+        skipped, zero_norm = (0 if applied else skipped + 1), (zero_norm + 1 if grad_norm == 0 else 0)
+        check_health(cfg, step, skipped, zero_norm, log)
+        reason = stop.reason()
+        timed = cfg.ckpt_every_min > 0 and time.time() - last_save > 60 * cfg.ckpt_every_min
+        stopping, timed = agree([reason is not None, timed], run.positions.device)  # one collective per step
+        if stopping or timed or (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
+            save_checkpoint(cfg, run, step, log)
+            last_save, saved = time.time(), step
+        if stopping:
+            log(f"stopping after step {step} ({reason or 'another rank was asked to stop'}), with a checkpoint; "
+                f"relaunch the same command to continue. Exit code {EXIT_PREEMPTED}")
+            run.batches.close()
+            return EXIT_PREEMPTED
+    run.batches.close()
     if cfg.save_dir:
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            save_hf_checkpoint(cfg.save_dir, mcfg, sd, max_shard_bytes=5 * 2**30)
-            for f in os.listdir(path) if path else []:  # the tokenizer goes with the weights
-                if f.startswith("tokenizer") or f in ("vocab.json", "merges.txt", "generation_config.json"):
-                    shutil.copy(os.path.join(path, f), cfg.save_dir)
-            log(f"saved HF checkpoint to {cfg.save_dir}")
-        dist.barrier()
+        export_hf(cfg, run.model, run.mcfg, run.model_path, log)
+    return 0
+
+
+def check_health(cfg: TrainConfig, step: int, skipped: int, zero_norm: int, log):
+    if zero_norm == 3:
+        log("warning: the gradient norm has been exactly 0 for 3 steps: the model may be dead (a loss flat at "
+            "ln(vocab) says so); check --lr and the data")
+    if skipped >= cfg.max_skipped_steps:
+        raise SystemExit(f"error: {skipped} steps in a row had a non-finite loss or gradient norm (the last at step "
+                         f"{step}); they changed no weights. Lower --lr, check the data, or resume from an earlier "
+                         "checkpoint")
+
+
+def open_log(cfg: TrainConfig, done: int) -> "Metrics":
+    """Rank 0: the run's config beside its metrics, written only once the run is known to start."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as fh:
+        json.dump(dataclasses.asdict(cfg), fh, indent=2)
+    return Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), done)
+
+
+def log_step(cfg, run: Run, step, loss, grad_norm, applied, dt, world, log):
+    """One metrics.jsonl row and one printed line. Peak GPU memory (CPU: max RSS) is the largest over ranks."""
+    device = run.positions.device
+    peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else
+                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    host = run.model.layers[0].offload.host_bytes() if run.model.layers[0].offload is not None else 0
+    lr = run.opt.param_groups[0]["lr"]
+    rec = dict(step=step, loss=loss, grad_norm=grad_norm, num_tokens=run.n_tokens, lr=lr, step_time_s=dt,
+               tokens_per_s=run.n_tokens / dt,
+               mfu=run.flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
+               peak_mem_gib=peak.item() / 2**30, host_pinned_gib=host / 2**30,
+               peak_mem_gb=peak.item() / 1e9)  # GB (1e9 bytes): kept for tools that read this older field
+    if not applied:
+        rec["skipped"] = True
+    log(f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+        f"{rec['tokens_per_s']:,.0f} tok/s | " + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
+        + f"{dt:.2f} s | peak mem {rec['peak_mem_gib']:.1f} GiB"
+        + ("" if applied else " | SKIPPED: non-finite loss or grad norm, no weight changed"))
+    if run.metrics:
+        run.metrics.write(rec)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,18 @@ from parallel import RingAttention
 pytestmark = pytest.mark.gpu
 
 
+def rel(a, b):
+    """Relative error, as a norm over the whole tensor, in float64 on b's device."""
+    a, b = a.double().to(b.device), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def floor(ref):
+    """The bf16 rounding floor: the error of the float64 reference rounded once to bf16 (~1.6e-3 for
+    Gaussian-like data, half an ulp of 2^-8 spread over the mantissa)."""
+    return rel(ref.bfloat16(), ref)
+
+
 @pytest.fixture(scope="module")
 def group_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -45,7 +57,7 @@ def model(dtype, attn_fn=None):
 def test_offload_on_a_side_stream_gives_the_same_gradients():
     m = model(torch.float32)
     ids = torch.randint(0, 257, (1, 4096), device="cuda")
-    ref_loss, ref = grads(m, ids, checkpoint=True)
+    ref_loss, ref = grads(m, ids, recompute=True)
     for _ in range(2):  # the second step reuses the pinned buffers
         loss, got = grads(m, ids, offload=True, mlp_tile=1000)
         assert loss == pytest.approx(ref_loss, rel=1e-6)
@@ -57,6 +69,8 @@ def test_offload_on_a_side_stream_gives_the_same_gradients():
 def test_ring_of_one_matches_sdpa(group_of_one, bthd):
     """8 query heads over 2 K/V heads: the backward runs as 2 kernel calls of 4 query heads (parallel.py);
     bthd: [B, T, H, D] memory seen as [B, H, T, D], as the model passes q, k, v."""
+    torch.manual_seed(0)
+
     def make(h):
         x = torch.randn(1, 1000, h, 64, device="cuda", dtype=torch.bfloat16)
         return (x.transpose(1, 2) if bthd else x.transpose(1, 2).contiguous()).detach().requires_grad_()
@@ -64,30 +78,44 @@ def test_ring_of_one_matches_sdpa(group_of_one, bthd):
     dout = torch.randn_like(q)
     out = RingAttention(group_of_one)(q, k, v)  # the cuDNN kernel (flash where cuDNN refuses)
     got = torch.autograd.grad(out, (q, k, v), dout)
-    ref_out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
-    ref = torch.autograd.grad(ref_out, (q, k, v), dout.float())
-    for a, b in ((out, ref_out), *zip(got, ref)):
-        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))  # the same bf16 inputs, widened
+    ref_out = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=True)
+    ref = torch.autograd.grad(ref_out, (q64, k64, v64), dout.double())
+    # Against the bf16 floor of each output: the kernels round P to bf16 before P @ V (out) and dS before
+    # dS @ K, dS^T @ Q (dq, dk), on top of rounding the result once. Measured on an H200 (cuDNN): out 1.25x,
+    # dq 1.49x, dk 1.79x, dv 1.73x the floor, in both layouts.
+    for name, a, b, bound in zip(("out", "dq", "dk", "dv"), (out, *got), (ref_out, *ref), (1.5, 2.25, 2.25, 2.25)):
+        assert a.dtype == torch.bfloat16 and rel(a, b) < bound * floor(b), (name, rel(a, b), floor(b))
 
 
 def test_keep_attention_on_cuda_gives_the_same_gradients(group_of_one):
     m = model(torch.bfloat16, RingAttention(group_of_one))
     ids = torch.randint(0, 257, (1, 4096), device="cuda")
-    ref_loss, ref = grads(m, ids, checkpoint=True)
+    # Both paths must run the same compiled variants of the fused kernels: after earlier tests changed
+    # shapes, torch.compile re-specialises them (dynamic shapes), and two variants reduce in different
+    # orders (measured then: up to 6.6e-3 apart, 1.7 bf16 ulps of 2^-8). From a clean compile state:
+    torch._dynamo.reset()
+    ref_loss, ref = grads(m, ids, recompute=True)
     loss, got = grads(m, ids, offload=True, keep_attention=True)
-    assert loss == pytest.approx(ref_loss, rel=1e-3)
-    for n in ref:  # the same kernels on the same inputs: equal up to bf16 rounding of the summation order
-        assert ((got[n] - ref[n]).norm() / ref[n].norm()).item() < 2e-2, n
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    # The same kernels on the same inputs: the kept attention output is the one the recompute would give,
+    # so the two steps agree bit for bit (measured on an H200: loss equal, every gradient 0.0 apart). The
+    # bound leaves room only for a kernel whose fp32 accumulation order is not fixed (atomics in a flash
+    # backward), which moves a few bf16 roundings; a stale or misplaced kept tensor is O(1).
+    assert loss == ref_loss
+    for n in ref:
+        assert rel(got[n], ref[n]) < 1e-3, (n, rel(got[n], ref[n]))
 
 
 @pytest.mark.parametrize("shape", [(1, 1000, 8, 64), (2, 333, 3, 128)])
 def test_fused_elementwise_kernels_match_float64(shape):
     """The torch.compile'd (Triton) RMSNorm, RoPE and SwiGLU forward/backward in bf16 against the same
-    formulas in float64 (which the CPU tests check against autograd)."""
+    formulas in float64 (which the CPU tests check against autograd) on the same bf16 inputs, each output
+    against its bf16 floor. Measured on an H200: 1.00x for SwiGLU forward and backward and RMSNorm backward
+    (fp32 inside, rounded once); 1.41x for RMSNorm forward, which rounds x * rstd to bf16 before the weight
+    (as transformers does); 1.44x for RoPE (as if its two products were rounded before the sum).
+    These compiled kernels keep intermediates in fp32 whatever the formula says, so the bf16-intermediate
+    defect once in _silu_mul_backward showed only in eager mode (measured compiled: 1.00x): the CPU test
+    in tests/test_model.py catches that one."""
     torch.manual_seed(0)
     B, T, H, D = shape
     x, dy = (torch.randn(shape, device="cuda") for _ in "xy")
@@ -103,9 +131,13 @@ def test_fused_elementwise_kernels_match_float64(shape):
     for fn, args in cases:
         got = M.fused(fn, x)(*args)
         ref = fn(*(a.double() if torch.is_tensor(a) else a for a in args))  # the same bf16 inputs, widened
-        for a, b in zip(*((got, ref) if isinstance(got, tuple) else ((got,), (ref,)))):
-            assert a.is_cuda and rel(a, b) < 1e-2, fn.__name__
-    assert rel(rstd, rstd64) < 1e-5  # the statistics stay fp32
+        for i, (a, b) in enumerate(zip(*((got, ref) if isinstance(got, tuple) else ((got,), (ref,))))):
+            if a.dtype == torch.float32:  # rms_norm's rstd, kept in fp32
+                continue
+            bound = 1.6 if fn in (M._rms_norm, M._rope) else 1.05
+            assert a.is_cuda and a.dtype == torch.bfloat16 and rel(a, b) < bound * floor(b), \
+                (fn.__name__, i, rel(a, b), floor(b))
+    assert rel(rstd, rstd64) < 5e-7  # the statistics stay fp32: measured 4.3e-8, under one fp32 ulp (6e-8)
 
 
 def test_bf16_cuda_model_matches_float64_cpu_model(group_of_one):
@@ -114,11 +146,17 @@ def test_bf16_cuda_model_matches_float64_cpu_model(group_of_one):
     ref_m = model(torch.bfloat16).to("cpu", torch.float64)  # the same bf16 weights, widened
     m = model(torch.bfloat16, RingAttention(group_of_one))
     ids = torch.randint(0, 257, (1, 3001))
-    ref_m.set_levers(checkpoint=False)
+    ref_m.set_levers(recompute=False)
     ref_m.zero_grad(set_to_none=True)
     ref_loss, _ = ref_m(ids, labels=ids)
     ref_loss.backward()
     loss, got = grads(m, ids.cuda(), offload=True, keep_attention=True, mlp_tile=1024)
-    assert loss == pytest.approx(ref_loss.item(), rel=1e-2)
+    # The loss sums 3001 per-token losses from fp32 logits; the bf16 errors of the hidden states have both
+    # signs and mostly cancel in the sum (measured 7e-7).
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    # Each gradient against its bf16 floor: bf16 activations rounded once per op, through 3 layers forward
+    # and back, compound. Measured on an H200: 2.4x (final norm) to 7.9x (layer 2's k_norm), mean 3.9x;
+    # recompute=False without any lever gives the same (max 7.2x, mean 3.8x).
     for n, p in ref_m.named_parameters():
-        assert rel(got[n].cpu(), p.grad) < 5e-2, n
+        err, fl = rel(got[n].cpu(), p.grad), floor(p.grad)
+        assert err < 10 * fl, (n, err, fl)

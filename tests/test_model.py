@@ -1,5 +1,9 @@
-"""model.py against oracles written here: RoPE/YaRN from the formulas in float64, a naive Qwen3 forward,
-transformers' Qwen3ForCausalLM on the same checkpoint, checkpoint/offload/tiled-MLP parity, HF load/save."""
+"""model.py against oracles: RoPE/YaRN from the formulas in float64 and from transformers' own initialisation,
+the fused kernels' formulas against float64 autograd, a naive Qwen3 forward, transformers' Qwen3ForCausalLM on
+the same checkpoint, recompute/offload/tiled-MLP parity, HF load/save. CPU only, seconds:
+
+    python -m pytest tests/test_model.py -q
+"""
 import json
 import math
 import os
@@ -7,6 +11,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # a test dependency (requirements.txt): the independent reference for RoPE and the model
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import model as M
 from model import Qwen3, Qwen3Config, rope_cos_sin, rope_inv_freq
@@ -48,7 +55,7 @@ def yarn_oracle(d, theta, s, L0, beta_fast=32.0, beta_slow=1.0):
 
 @pytest.mark.parametrize("d,theta,s,L0", [(128, 1e6, 32.0, 32768), (16, 1e4, 4.0, 512), (64, 5e5, 8.0, 4096)])
 def test_yarn_matches_formula(d, theta, s, L0):
-    cfg = tiny(head_dim=d, rope_theta=theta).with_yarn(s, L0)
+    cfg = tiny(head_dim=d, rope_theta=theta).yarn_scaled(s, L0)
     inv, factor = rope_inv_freq(cfg)
     ref_inv, ref_factor = yarn_oracle(d, theta, s, L0)
     torch.testing.assert_close(inv, ref_inv, rtol=1e-14, atol=0)
@@ -61,8 +68,40 @@ def test_yarn_matches_formula(d, theta, s, L0):
     assert fast.any() and slow.any()
 
 
+@pytest.mark.parametrize("d,theta,s,L0,extra", [
+    (128, 1e6, 32.0, 32768, {}),                                   # the 1M recipe (Qwen3 at 32 x 32K)
+    (16, 1e4, 4.0, 512, {}),
+    (64, 5e5, 8.0, 4096, dict(beta_fast=16.0, beta_slow=2.0)),
+    (96, 1e6, 4.0, 32768, dict(beta_fast=64.0, beta_slow=0.5, attention_factor=1.3)),
+])
+def test_yarn_matches_transformers(d, theta, s, L0, extra):
+    """The independent oracle: transformers' own YaRN initialisation on the same config.json dict."""
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": s, "original_max_position_embeddings": L0, **extra}
+    cfg_dict = hf_config("new", head_dim=d, max_position_embeddings=int(s * L0), rope_parameters=rope)
+    hf_cfg = transformers.Qwen3Config(**cfg_dict)
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    inv, factor = rope_inv_freq(Qwen3Config.from_dict(cfg_dict))
+    # transformers works in fp32: the exponent 2i/d rounded to fp32 (off by up to 2^-25) costs theta^(2i/d)
+    # ln(theta) * 2^-25 <= 4.1e-7 relative at theta 1e6, plus a few fp32 ulps (1.2e-7) for pow and the
+    # divisions; measured 3.4e-7 at d 96. A wrong ramp end moves some frequency by >= (1 - 1/s) / (high - low).
+    assert ref_inv.dtype == torch.float32
+    torch.testing.assert_close(inv, ref_inv.double(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor, rel=1e-12)  # Python floats on both sides
+    if "attention_factor" not in extra:  # and the oracle the naive model below uses agrees with transformers
+        oracle_inv, oracle_factor = yarn_oracle(d, theta, s, L0, **extra)
+        torch.testing.assert_close(oracle_inv, ref_inv.double(), rtol=1e-6, atol=0)
+        assert oracle_factor == pytest.approx(ref_factor, rel=1e-12)
+    # cos/sin (layout [ang, ang] and the attention factor) against transformers' rotary embedding, at
+    # positions where its fp32 angles are good: error <= pos * ~6e-7 * factor, 3.4e-3 at 4095 (measured 3.6e-4)
+    pos = torch.tensor([[0, 1, 2, 7, 100, 511, 1000, 4095]])
+    ref_cos, ref_sin = Qwen3RotaryEmbedding(hf_cfg)(torch.zeros(1, 8, d), pos)
+    cos, sin = rope_cos_sin(pos, inv, factor)
+    torch.testing.assert_close(cos, ref_cos, atol=4e-3, rtol=0)
+    torch.testing.assert_close(sin, ref_sin, atol=4e-3, rtol=0)
+
+
 def test_rope_cos_sin_at_a_million_positions():
-    cfg = tiny(head_dim=128, rope_theta=1e6).with_yarn(32.0, 32768)
+    cfg = tiny(head_dim=128, rope_theta=1e6).yarn_scaled(32.0, 32768)
     pos = torch.tensor([[0, 1, 32767, 500_000, 1_048_575]])
     cos, sin = rope_cos_sin(pos, *rope_inv_freq(cfg))
     inv, factor = yarn_oracle(128, 1e6, 32.0, 32768)
@@ -102,6 +141,29 @@ def test_rmsnorm_matches_autograd_of_the_formula(dtype, tol):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         norm(x)
     assert sum(t.numel() for t in saved if t.data_ptr() not in (x.data_ptr(), norm.weight.data_ptr())) == 3 * 7
+
+
+def bf16_floor(ref):
+    """Relative error of the float64 result rounded once to bf16: the best a bf16 output can do."""
+    return ((ref.bfloat16().double() - ref).norm() / ref.norm()).item()
+
+
+def test_silu_mul_backward_in_bf16_rounds_once():
+    """The SwiGLU gradient kernel on bf16 inputs against autograd of silu(g) * u in float64. Computed in fp32
+    and rounded once, its error is the bf16 floor (measured: 1.00x for dg and du); with g, u and sigmoid(g)
+    left in bf16 it was 2.0x for dg and 1.2x for du."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (3, 37, 53)
+    g, u = ((torch.randn(shape, generator=gen, dtype=torch.float64) * 3).bfloat16() for _ in "gu")
+    dh = torch.randn(shape, generator=gen, dtype=torch.float64).bfloat16()
+    g64, u64 = g.double().requires_grad_(), u.double().requires_grad_()
+    ref = torch.autograd.grad(F.silu(g64) * u64, (g64, u64), dh.double())
+    got = M._silu_mul_backward(dh, g, u)
+    for name, a, b in zip(("dg", "du"), got, ref):
+        assert a.dtype == torch.bfloat16 and a.shape == shape, name
+        torch.testing.assert_close(a.double(), b, rtol=2**-8, atol=2**-8 * b.abs().max().item(), msg=name)
+        err, floor = ((a.double() - b).norm() / b.norm()).item(), bf16_floor(b)
+        assert err < 1.1 * floor, (name, err, floor)
 
 
 # --- the model against a naive forward -------------------------------------------------------
@@ -149,7 +211,7 @@ def naive_forward(m, ids, pos, sd=None):
 def test_model_matches_naive_forward(kv, yarn, tied):
     cfg = tiny(num_key_value_heads=kv, tie_word_embeddings=tied)
     if yarn:
-        cfg.with_yarn(4.0, 16)
+        cfg = cfg.yarn_scaled(4.0, 16)
     m = random_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 23))
     pos = torch.arange(23)
@@ -163,14 +225,14 @@ def test_model_matches_naive_forward(kv, yarn, tied):
 
 def test_model_gradients_match_naive():
     """Every backward of ours (RoPE, RMSNorm, the tiled MLP's, the loss's) against autograd of the naive model."""
-    cfg = tiny(num_attention_heads=6, num_key_value_heads=2).with_yarn(4.0, 16)
+    cfg = tiny(num_attention_heads=6, num_key_value_heads=2).yarn_scaled(4.0, 16)
     m = random_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, 29))
     labels = torch.randint(0, cfg.vocab_size, (1, 29))
     sd = {k: v.double().requires_grad_() for k, v in m.state_dict().items()}
     ref = F.cross_entropy(naive_forward(m, ids[0], torch.arange(29), sd), labels[0], reduction="sum")
     ref_grads = dict(zip(sd, torch.autograd.grad(ref, list(sd.values()))))
-    for levers in (dict(checkpoint=False), dict(checkpoint=True, mlp_tile=8)):
+    for levers in (dict(recompute=False), dict(recompute=True, mlp_tile=8)):
         loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
         torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=0)  # loss_sum is fp32
         for n, g in ref_grads.items():  # the loss's softmax runs in fp32 even for a float64 model: ~1e-8
@@ -205,9 +267,9 @@ def group_of_one():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("levers", [dict(checkpoint=True), dict(offload=True), dict(mlp_tile=7),
-                                    dict(checkpoint=True, offload=True, mlp_tile=5),
-                                    dict(checkpoint=True, keep_attention=True),
+@pytest.mark.parametrize("levers", [dict(recompute=True), dict(offload=True), dict(mlp_tile=7),
+                                    dict(recompute=True, offload=True, mlp_tile=5),
+                                    dict(recompute=True, keep_attention=True),
                                     dict(offload=True, keep_attention=True, mlp_tile=6)])
 def test_levers_keep_loss_and_gradients(levers, group_of_one):
     from parallel import RingAttention
@@ -216,7 +278,7 @@ def test_levers_keep_loss_and_gradients(levers, group_of_one):
     m = random_model(tiny(num_key_value_heads=1), dtype=torch.float64)
     m.attn_fn = RingAttention(group_of_one)
     ids, labels = torch.randint(0, 97, (2, 33)), torch.randint(0, 97, (2, 33))
-    ref_loss, ref_grads = loss_and_grads(m.set_levers(checkpoint=False), ids, labels)
+    ref_loss, ref_grads = loss_and_grads(m.set_levers(recompute=False), ids, labels)
     loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
     for n in ref_grads:
@@ -239,7 +301,7 @@ def test_keep_attention_skips_the_attention_recompute(group_of_one):
         calls.clear()
         parallel._attn_fwd = lambda *a: calls.append(1) or fwd(*a)
         try:
-            m.set_levers(checkpoint=True, keep_attention=keep)
+            m.set_levers(recompute=True, keep_attention=keep)
             s, _ = m(ids, labels=ids)
             s.backward()
         finally:
@@ -258,8 +320,8 @@ def test_checkpoint_keeps_only_block_inputs():
                                                       lambda t: t):
             model(ids).sum()
         return sum(total)
-    full = saved_bytes(m.set_levers(checkpoint=False))
-    ckpt = saved_bytes(m.set_levers(checkpoint=True))
+    full = saved_bytes(m.set_levers(recompute=False))
+    ckpt = saved_bytes(m.set_levers(recompute=True))
     # checkpoint saves x (64x40 fp32) + cos + sin (64x8 fp32) per block; the final norm saves its own
     assert ckpt < full / 4, (ckpt, full)
 
@@ -317,10 +379,9 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, shard_bytes):
 
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
     """The independent reference: transformers' own Qwen3 on our saved folder gives our logits."""
-    transformers = pytest.importorskip("transformers")
     write_checkpoint(tmp_path / "a", "old")
     m = Qwen3.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
-    m.cfg.with_yarn(8.0, 256)  # a run's YaRN settings must travel with the weights
+    m.cfg = m.cfg.yarn_scaled(8.0, 256)  # a run's YaRN settings must travel with the weights
     m.save_pretrained(str(tmp_path / "b"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)
     assert type(hf).__name__ == "Qwen3ForCausalLM"
@@ -377,7 +438,7 @@ def test_hub_download_path(monkeypatch, tmp_path):
     def offline(repo_id, allow_patterns):
         raise huggingface_hub.errors.LocalEntryNotFoundError("connection refused")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(ConnectionError, match="could not download 'Qwen/Qwen3-Tiny'.*--model"):
+    with pytest.raises(ConnectionError, match="could not download 'Qwen/Qwen3-Tiny'.*pass the local folder"):
         Qwen3.from_pretrained("Qwen/Qwen3-Tiny")
 
 

@@ -148,7 +148,12 @@ def test_optimizer_states_made_up_front_change_nothing():
 def test_float32_master_weights_take_updates_that_bf16_weights_lose(tmp_path):
     """bf16 compute on both runs; --param_dtype float32 (the default) keeps the sharded weights and AdamW
     states in fp32. At lr 1e-5 one AdamW step moves every weight with a gradient by ~1e-5: the fp32 weights
-    all take it, while bf16 weights mostly round it away (their resolution is ~1/256 of the weight)."""
+    all take it, while bf16 weights mostly round it away (their resolution is ~1/256 of the weight).
+
+    Counted over every weight but the embedding (whose rows for bytes absent from the batch get no gradient;
+    weight decay is 0): 102,848 weights. Measured with `pytest -s tests/test_train.py -k master_weights`
+    (2 CPU ranks, the tiny model): bf16 98.0% unmoved (98% of each matrix, all of the norm weights, which
+    sit at 1.0), fp32 0.04%."""
     from model import Qwen3, Qwen3Config, hf_name
     from safetensors.torch import load_file
     unmoved = {}
@@ -159,13 +164,14 @@ def test_float32_master_weights_take_updates_that_bf16_weights_lose(tmp_path):
         init.init_weights(torch.Generator("cpu").manual_seed(0))
         after = load_file(str(tmp_path / pd / "model.safetensors"))
         same = total = 0
-        for n, w in init.named_parameters():  # every weight of the model (a tied head once)
+        for n, w in init.named_parameters():
             assert after[hf_name(n)].dtype == w.dtype == getattr(torch, pd), n
-            same += int((after[hf_name(n)] == w).sum())
-            total += w.numel()
+            if n != "embed_tokens.weight":
+                same += int((after[hf_name(n)] == w).sum())
+                total += w.numel()
         unmoved[pd] = same / total
-    print("UNMOVED", unmoved)
-    assert unmoved["bfloat16"] > 0.9 and unmoved["float32"] < 0.01, unmoved
+    print(f"unmoved after one step at lr 1e-5: {unmoved}")
+    assert unmoved["bfloat16"] > 0.9 and unmoved["float32"] < 0.005, unmoved
 
 
 def test_profile_step_writes_a_trace(tmp_path):

@@ -20,6 +20,7 @@ import re
 import shutil
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
@@ -91,8 +92,9 @@ def save(root: str, step: int, state: dict, trainer: dict, fingerprint: dict, ke
     if error is None:
         try:
             dcp.save(state, checkpoint_id=tmp)  # each rank writes its own file, fsynced (FileSystemWriter's default)
-        except Exception as e:  # dcp gathers every rank's failure into one CheckpointException, raised on all
-            error = e
+        except (Exception, CheckpointException) as e:  # dcp gathers every rank's failure into one
+            error = e                                    # CheckpointException (a BaseException), raised on all
+    error = _shared_error(error)  # every rank has written its shard before rank 0 publishes them
     if error is None and rank == 0:
         try:
             _write_json(os.path.join(tmp, "trainer.json"), trainer)
@@ -173,13 +175,16 @@ def newest_valid(root: str, log) -> str | None:
 
 
 def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
-    """Which parts of the fingerprint differ, as a readable list; None if they all match."""
-    diffs = []
-    for key in sorted(set(saved) | set(current)):
-        if saved.get(key) != current.get(key):
-            a, b = json.dumps(saved.get(key)), json.dumps(current.get(key))
-            diffs.append(f"{key}: checkpoint {a[:120]} vs now {b[:120]}")
-    return "; ".join(diffs) or None
+    """What differs between two fingerprints ("model.hidden_size 64 -> 32; ..."), or None if nothing does."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+    a, b = flat(saved), flat(current)
+    diffs = [f"{k} {json.dumps(a.get(k))[:60]} -> {json.dumps(b.get(k))[:60]}"
+             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "") if diffs else None
 
 
 def load(path: str, state: dict) -> dict:
@@ -187,7 +192,7 @@ def load(path: str, state: dict) -> dict:
     import torch.distributed.checkpoint as dcp
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise OSError(f"loading checkpoint {path} failed ({_first_line(e)})") from None
     with open(os.path.join(path, "trainer.json")) as fh:
         return json.load(fh)

@@ -188,8 +188,10 @@ def on_rank0(fn, group=None):
     if dist.get_rank() == 0:
         try:
             msg[0] = fn()
+        except SystemExit as e:  # a message of ours, already worded for the user
+            msg[1] = str(e.code)
         except Exception as e:  # reported on every rank below
-            msg[1] = f"{type(e).__name__}: {e}" if not isinstance(e, SystemExit) else str(e.code)
+            msg[1] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(msg, src=0, group=group)
     if msg[1] is not None:
         raise SystemExit(msg[1] if msg[1].startswith("error") else f"error (on rank 0): {msg[1]}")
@@ -643,25 +645,38 @@ def main(argv):
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
     cp = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     stop = StopRequest()
-    rank = int(os.environ.get("RANK", "0"))
+    rank, code = int(os.environ.get("RANK", "0")), 1
     try:
         rank, world = init_distributed(cfg)
         code = train(cfg, cp, rank, world, t_start, stop)
-    except (ValueError, OSError) as e:  # bad input found after start-up (model files, data, disk): no traceback
-        raise SystemExit(f"error (rank {rank}): {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    except torch.OutOfMemoryError as e:
-        raise SystemExit(f"error (rank {rank}): out of GPU memory at --seq_len {cfg.seq_len} with --cp {cp} "
-                         f"({str(e).splitlines()[0]}). Less memory per GPU: a larger --cp (more GPUs per "
-                         "sequence), --offload true, --tiled_mlp true with a smaller --mlp_tile, a smaller "
-                         "--loss_chunk, or a shorter --seq_len") from None
-    except dist.DistError as e:  # a peer died, or a collective waited past the timeout
-        raise SystemExit(f"error (rank {rank}): another rank stopped or hangs ({str(e).splitlines()[0][:200]}); "
-                         f"see its message. A collective waits at most --dist_timeout_min {cfg.dist_timeout_min:g}; "
-                         "relaunch the same command to continue from the newest checkpoint") from None
+    except BaseException as e:
+        msg = error_message(e, cfg, cp, rank)
+        if msg is None:
+            raise
+        # printed now, before the process group is torn down: the launcher may kill this rank once another exits
+        print(msg, file=sys.stderr, flush=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     sys.exit(code)
+
+
+def error_message(e: BaseException, cfg: TrainConfig, cp: int, rank: int) -> str | None:
+    """The one line a rank prints for an error it can explain; None for a bug (which keeps its traceback)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, SystemExit):  # our own messages, already worded for the user
+        return str(e.code) if isinstance(e.code, str) else None
+    if isinstance(e, (ValueError, OSError)):  # bad input found after start-up (model files, data, disk)
+        return f"error (rank {rank}): {type(e).__name__}: {first}"
+    if isinstance(e, torch.OutOfMemoryError):
+        return (f"error (rank {rank}): out of GPU memory at --seq_len {cfg.seq_len} with --cp {cp} ({first}). Less "
+                "memory per GPU: a larger --cp (more GPUs per sequence), --offload true, --tiled_mlp true with a "
+                "smaller --mlp_tile, a smaller --loss_chunk, or a shorter --seq_len")
+    if isinstance(e, RuntimeError) and peer_failure(e):
+        return (f"error (rank {rank}): another rank stopped or hangs ({first[:200]}); see its message. A collective "
+                f"waits at most --dist_timeout_min {cfg.dist_timeout_min:g}; relaunch the same command to continue "
+                "from the newest checkpoint")
+    return None
 
 
 @dataclass
@@ -722,6 +737,13 @@ def start_run(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> Run:
     return Run(model, opt, batches, zigzag_positions(cfg.seq_len, cp_rank, cp, device=device)[None],
                cfg.seq_len * cfg.grad_accum * dp, step_flops(mcfg, cfg.seq_len) * cfg.grad_accum * dp, fp, done,
                held.get("metrics"), mcfg, path)
+
+
+def peer_failure(e: RuntimeError) -> bool:
+    """A collective failed because another rank died (gloo: the connection closed) or past the timeout."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(s in text for s in ("Connection closed by peer", "timed out",
+                                                                    "Timed out", "Connection reset by peer"))
 
 
 def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop: StopRequest) -> int:

@@ -1,0 +1,83 @@
+"""train.py with one fault injected, for tests/test_long_runs.py (never a user-facing switch).
+
+    FAULT=kill:RANK:STEP        torchrun ... tests/fault_run.py <train.py flags>   # SIGKILL mid-step
+    FAULT=kill_in_save:RANK:STEP                                                   # SIGKILL inside a checkpoint write
+    FAULT=kill_in_delete:0:STEP                                                    # SIGKILL while an old one is deleted
+    FAULT=nan:STEP[:LAST]        a NaN in one gradient on steps STEP..LAST (default: STEP only)
+
+A fault fires only in torchrun's first launch (TORCHELASTIC_RESTART_COUNT 0): a run that torchrun restarts
+is the same command without it (the tests relaunch by hand without FAULT). The wrappers replace module-level names that train.py and checkpoint.py
+look up at call time; nothing else changes.
+"""
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
+import train  # noqa: E402
+
+kind, *nums = os.environ.get("FAULT", "none").split(":")
+first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+rank = int(os.environ.get("RANK", "0"))
+current = {"step": 0}
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_lr_at = train.lr_at
+
+
+def lr_at(step, cfg):  # called once per step, just before train_step: tells the wrappers which step runs
+    current["step"] = step
+    return _lr_at(step, cfg)
+
+
+train.lr_at = lr_at
+_clip = train.clip_grad_norm_
+
+
+def clip_grad_norm_(params, max_norm):
+    params = list(params)
+    step = current["step"]
+    if kind == "kill" and first_launch and rank == int(nums[0]) and step == int(nums[1]):
+        die()  # after forward and backward, before the optimizer: mid-step
+    if kind == "nan" and int(nums[0]) <= step <= int(nums[-1]) and rank == 0:
+        g = params[0].grad
+        (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
+    return _clip(params, max_norm)
+
+
+train.clip_grad_norm_ = clip_grad_norm_
+
+if kind == "kill_in_save":
+    import torch.distributed.checkpoint as dcp
+    _save = dcp.save
+
+    def save(state, checkpoint_id):  # this rank's shard file is written; the manifest is not
+        _save(state, checkpoint_id=checkpoint_id)
+        if first_launch and rank == int(nums[0]) and current["step"] == int(nums[1]):
+            die()
+    dcp.save = save
+
+if kind == "kill_in_delete":
+    import shutil
+    _rmtree = shutil.rmtree
+
+    def rmtree(path, *a, **k):  # the old checkpoint is renamed to *.trash; half of it is deleted, then the kill
+        if first_launch and path.endswith(".trash") and current["step"] == int(nums[1]):
+            files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+            for f in files[: len(files) // 2]:
+                os.remove(f)
+            die()
+        return _rmtree(path, *a, **k)
+    checkpoint.shutil.rmtree = rmtree
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    train.main(sys.argv[1:])

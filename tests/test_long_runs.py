@@ -1,0 +1,265 @@
+"""Long runs survive: faults injected into real train.py runs (torchrun, CPU, gloo), then the same command again.
+
+Each fault is checked for what a user would lose: the losses and grad norms of the continued run must equal an
+uninterrupted run's exactly, metrics.jsonl must hold one row per step, the earlier checkpoint must be intact, and
+a bad input must stop every rank with one line that says what to change. tests/fault_run.py injects the faults.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config", "demo", "--seq_len", "264", "--loss_chunk", "100", "--warmup_steps", "2", "--lr", "3e-3"]
+
+
+def command(nproc, out, *args, script="train.py", restarts=0):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}", os.path.join(ROOT, script), *TINY, "--out_dir", str(out), *args]
+
+
+def launch(nproc, out, *args, fault=None, restarts=0, timeout=180):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if fault:
+        env["FAULT"] = fault
+    script = "tests/fault_run.py" if fault else "train.py"
+    return subprocess.run(command(nproc, out, *args, script=script, restarts=restarts), capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=str(out.parent))
+
+
+def rows(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def steps(out):
+    return sorted(int(d[5:]) for d in os.listdir(out / "checkpoints") if d.startswith("step_") and "." not in d)
+
+
+def assert_same_run(a, b):
+    """Exactly the same steps, losses and grad norms (bit for bit: resume restores every state exactly)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, len(a) + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
+
+
+def error_lines(p):
+    """The lines train.py printed as errors (one per rank), with no traceback from train.py's code."""
+    assert 'train.py", line' not in p.stderr and "checkpoint.py\", line" not in p.stderr, p.stderr[-3000:]
+    return [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """8 uninterrupted steps on 2 ranks, a checkpoint every 2."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    p = launch(2, out, "--max_steps", "8", "--ckpt_every", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return rows(out)
+
+
+@pytest.mark.parametrize("fault,kept", [("kill:1:5", [2, 4]), ("kill_in_save:1:4", [2]), ("kill_in_save:0:4", [2]),
+                                        ("kill_in_delete:0:6", [4, 6])])
+def test_a_killed_run_continues_exactly(tmp_path, reference, fault, kept):
+    """SIGKILL of one rank mid-step, inside a checkpoint write (its shard written, the manifest not), or while
+    the oldest checkpoint is half deleted; then the same command again."""
+    out = tmp_path / "run"
+    args = ["--max_steps", "8", "--ckpt_every", "2"]
+    p = launch(2, out, *args, fault=fault)
+    assert p.returncode != 0
+    assert steps(out) == kept  # the earlier checkpoints are intact
+    p = launch(2, out, *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"after step {kept[-1]}" in p.stdout
+    assert_same_run(rows(out), reference)
+    # --keep_checkpoints 2; no half-written (.tmp) or half-deleted (.trash) folder is left
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000006", "step_0000008"]
+
+
+def test_torchrun_restart_resumes_by_itself(tmp_path, reference):
+    """torchrun --max-restarts 1: a worker killed mid-step; torchrun restarts the workers, which resume."""
+    out = tmp_path / "run"
+    p = launch(2, out, "--max_steps", "8", "--ckpt_every", "2", fault="kill:0:3", restarts=1)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "after step 2" in p.stdout
+    assert_same_run(rows(out), reference)
+
+
+def wait_for_rows(out, n, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= n:
+            return
+        assert proc.poll() is None, "the run ended early"
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def test_sigterm_saves_and_exits_75_then_the_run_continues(tmp_path):
+    """SIGTERM (a scheduler's notice) to a plain `python train.py`: the step in flight ends, a checkpoint is
+    written, the exit code is 75; the same command continues from there, one metrics row per step."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--out_dir", str(out), "--max_steps"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd + ["400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    wait_for_rows(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr[-3000:]
+    stopped = rows(out)[-1]["step"]
+    assert steps(out)[-1] == stopped and "stopping after step" in stdout and "SIGTERM" in stdout
+    p = subprocess.run(cmd + [str(stopped + 2)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in rows(out)] == list(range(1, stopped + 3))
+
+
+def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path):
+    """torchrun passes SIGTERM on to its workers, which agree, save and exit."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command(2, out, "--max_steps", "400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    wait_for_rows(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    stopped = rows(out)[-1]["step"]
+    assert steps(out)[-1] == stopped and "stopping after step" in stdout, stdout[-2000:] + stderr[-2000:]
+
+
+def test_workers_of_a_killed_launcher_stop(tmp_path):
+    """torchrun killed with SIGKILL: its workers save and exit instead of training on as orphans."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command(2, out, "--max_steps", "100000"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+    wait_for_rows(out, 2, proc)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    t0 = time.time()
+    while any(os.path.exists(f"/proc/{w}") and "zombie" not in open(f"/proc/{w}/status").read() for w in workers):
+        assert time.time() - t0 < 60, "workers still running after their launcher died"
+        time.sleep(0.1)
+    assert steps(out)[-1] == rows(out)[-1]["step"]  # they saved where they stopped
+
+
+def test_a_nan_gradient_skips_the_step_and_changes_no_weight(tmp_path):
+    """A NaN in one gradient at step 3: the step is skipped and logged (null, not NaN, in valid JSON), and the
+    exported weights equal those of a run that stopped after step 2 (constant lr, so the runs share a schedule)."""
+    const = ["--warmup_steps", "0", "--min_lr_ratio", "1"]
+    p = launch(2, tmp_path / "two", "--max_steps", "2", "--save_dir", str(tmp_path / "hf2"), *const)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = launch(2, tmp_path / "nan", "--max_steps", "3", "--save_dir", str(tmp_path / "hf3"), *const, fault="nan:3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = rows(tmp_path / "nan")
+    assert r[2]["skipped"] and r[2]["grad_norm"] is None and r[2]["nonfinite"] == ["grad_norm"]
+    assert not any(x.get("skipped") for x in r[:2])
+    from safetensors.torch import load_file
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf2", "hf3"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_repeated_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, reference):
+    out = tmp_path / "run"
+    p = launch(2, out, "--max_steps", "8", "--ckpt_every", "2", "--max_skipped_steps", "2", fault="nan:5:8")
+    assert p.returncode != 0
+    lines = error_lines(p)
+    assert len(lines) == 2 and "2 steps in a row had a non-finite" in lines[0], lines
+    assert steps(out) == [2, 4]
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
+    assert [(r["loss"], r["grad_norm"]) for r in rows(out)[:4]] == [(r["loss"], r["grad_norm"])
+                                                                    for r in reference[:4]]
+
+
+def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path, reference):
+    out = tmp_path / "run"
+    args = ["--max_steps", "8", "--ckpt_every", "2", "--keep_checkpoints", "3"]
+    assert launch(2, out, *args, fault="kill:1:5").returncode != 0 and steps(out) == [2, 4]
+    shard = next((out / "checkpoints" / "step_0000004").glob("*.distcp"))
+    with open(shard, "r+b") as fh:  # truncated
+        fh.truncate(os.path.getsize(shard) // 2)
+    os.makedirs(out / "checkpoints" / "step_0000005")  # a folder with a checkpoint's name but no manifest
+    p = launch(2, out, *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    warnings = [line for line in p.stdout.splitlines() if line.startswith("warning: skipping checkpoint")]
+    assert len(warnings) == 2 and "manifest" in warnings[0] and "bytes, the manifest says" in warnings[1], warnings
+    assert "resumed from" in p.stdout and "step_0000002 after step 2" in p.stdout
+    assert_same_run(rows(out), reference)
+
+
+def test_resume_refuses_another_model_and_none_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "run"
+    assert launch(1, out, "--max_steps", "2").returncode == 0
+    cfg = dict(model_type="qwen3", vocab_size=257, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(cfg))
+    p = launch(2, out, "--max_steps", "4", "--model", str(tmp_path / "other"))
+    lines = error_lines(p)
+    assert p.returncode != 0 and len(lines) == 2 and "belongs to another run" in lines[0] and "model.hidden_size 64 -> 32" in lines[0], lines
+    before = open(out / "metrics.jsonl").read()
+    p = launch(2, out, "--max_steps", "4", "--resume", "none")
+    lines = error_lines(p)
+    assert p.returncode != 0 and "holds an earlier run" in lines[0] and "--overwrite true" in lines[0], lines
+    assert open(out / "metrics.jsonl").read() == before  # a failed start changes nothing
+    p = launch(2, out, "--max_steps", "4", "--resume", "none", "--overwrite", "true")
+    assert p.returncode == 0 and [r["step"] for r in rows(out)] == [1, 2, 3, 4]
+
+
+def test_broken_tokenizer_and_save_dir_under_a_file_stop_before_step_one(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    p = launch(2, tmp_path / "a", "--tokenizer", str(tmp_path / "tokenizer.json"))
+    lines = error_lines(p)
+    assert p.returncode != 0 and any("data:" in line for line in lines), p.stderr[-3000:]
+    assert all(len(line) < 400 for line in lines)
+    (tmp_path / "file").write_text("")
+    p = launch(2, tmp_path / "b", "--save_dir", str(tmp_path / "file" / "hf"))
+    lines = error_lines(p)
+    assert p.returncode != 0 and "is a file, not a folder" in lines[0], lines
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+
+
+def test_data_that_runs_out_ends_the_run_with_a_checkpoint(tmp_path):
+    text = "".join(f"book {i}: " + "lorem ipsum dolor sit amet " * 30 + "\n" for i in range(3))
+    (tmp_path / "books.txt").write_text(text)  # ~2.5k bytes: 9 windows of 265 tokens
+    out = tmp_path / "run"
+    p = launch(1, out, "--data", str(tmp_path / "books.txt"), "--max_steps", "50", "--ckpt_every_min", "0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = rows(out)[-1]["step"]
+    assert 3 < last < 50 and "the data ran out after step" in p.stdout and steps(out) == [last]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    d = tmp_path / "disk"
+    d.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here to fill ({p.stderr.strip()[:100]}); needs root or CAP_SYS_ADMIN")
+    yield d
+    subprocess.run(["umount", "-l", str(d)])
+
+
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk):
+    """The tiny model's checkpoint is ~1.4 MiB (119k parameters: fp32 weights + two AdamW states) on a 2 MiB
+    disk: the first fits, the second does not."""
+    out = small_disk / "run"
+    p = launch(2, out, "--max_steps", "4", "--ckpt_every", "2", "--keep_checkpoints", "2")
+    lines = error_lines(p)
+    assert p.returncode != 0 and len(lines) == 2 and "No space left on device" in lines[0], lines
+    assert "step_0000004" in lines[0] and "earlier checkpoints are intact" in lines[0]
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000002"]  # no .tmp left behind
+
+
+def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
+    big = small_disk / "filler"
+    big.write_bytes(b"\0" * (1900 * 1024))
+    p = launch(2, small_disk / "run", "--max_steps", "4")
+    lines = error_lines(p)
+    assert p.returncode != 0 and "GiB free on its disk, but a checkpoint needs" in lines[0], lines
+    assert not (small_disk / "run" / "metrics.jsonl").exists()

@@ -79,6 +79,7 @@ class TrainConfig:
     peak_tflops: float = 989.0    # per GPU, dense bf16 (H100/H200 SXM), for MFU
     # the run: its folder, checkpoints, resume, the HF export
     out_dir: str = "runs/qwen3-8b-1m"
+    checkpoints: bool = True      # false: never write a checkpoint (benchmarks, throwaway runs)
     ckpt_every: int = 0           # a checkpoint every N steps (0 = by time only); always one at the end
     ckpt_every_min: float = 30.0  # ... and one when this many minutes have passed since the last (0 = off)
     keep_checkpoints: int = 2     # the newest K are kept; older ones are deleted once a newer one is complete
@@ -723,13 +724,14 @@ def start_run(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> Run:
     resume_from, done = on_rank0(lambda: find_resume_point(cfg, fp, log)), 0
     if resume_from:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        t0 = time.time()
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
         meta = checkpoint.load(resume_from, state)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         batches.load_state_dict(meta["data"])
         done = meta["step"]
-        log(f"resumed from {resume_from} after step {done}")
+        log(f"resumed from {resume_from} after step {done} (loaded in {time.time() - t0:.1f} s)")
     on_rank0(lambda: check_outputs(cfg, n_params, log))
     held = {}  # the log is opened (and cut back to the checkpoint's step) only now that the run is known to start
     if done < cfg.max_steps:
@@ -763,7 +765,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop
             batch = run.batches.next()
         except DataEnd:
             log(f"the data ran out after step {step - 1}; ending the run there, as at --max_steps")
-            if saved < step - 1:
+            if saved < step - 1 and cfg.checkpoints:
                 save_checkpoint(cfg, run, step - 1, log)
             break
         if cfg.device == "cuda":
@@ -779,7 +781,8 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop
         reason = stop.reason()
         timed = cfg.ckpt_every_min > 0 and time.time() - last_save > 60 * cfg.ckpt_every_min
         stopping, timed = agree([reason is not None, timed], run.positions.device)  # one collective per step
-        if stopping or timed or (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
+        due = stopping or timed or (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps
+        if due and cfg.checkpoints:
             save_checkpoint(cfg, run, step, log)
             last_save, saved = time.time(), step
         if stopping:

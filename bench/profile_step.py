@@ -135,7 +135,7 @@ def main():
         d = os.path.join(r["out_dir"], "profile")
         rows = [json.loads(line) for line in open(os.path.join(r["out_dir"], "metrics.jsonl"))]
         print(f"step 2 (not profiled): {rows[1]['step_time_s']:.2f} s, "
-              f"peak {rows[1]['peak_mem_gb'] / 1.073741824:.2f} GiB")
+              f"peak {rows[1]['peak_mem_gib']:.2f} GiB")
     out = dict(trace=summarise_trace(os.path.join(d, "trace_rank0.json")))
     mem = os.path.join(d, "memory_rank0.pickle")
     if os.path.exists(mem):

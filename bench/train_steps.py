@@ -26,7 +26,7 @@ def run_one(model, seq_len, steps, extra, out_root, timeout):
            os.path.join(ROOT, "train.py"),
            "--model", model if model == "tiny" else os.path.join(ROOT, "bench", "configs", model),
            "--tokenizer", "byte", "--data", "synthetic", "--seq_len", str(seq_len), "--max_steps", str(steps),
-           "--cp", "1", "--param_dtype", "bfloat16", "--out_dir", out, *extra.split()]
+           "--cp", "1", "--param_dtype", "bfloat16", "--checkpoints", "false", "--out_dir", out, *extra.split()]
     print("$", " ".join(cmd[4:]), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
@@ -43,8 +43,8 @@ def run_one(model, seq_len, steps, extra, out_root, timeout):
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]  # None on CPU
     return dict(model=model, seq_len=seq_len, extra=extra, out_dir=out, s_per_step=t, tokens_per_s=seq_len / t,
                 mfu=statistics.median(mfu) if mfu else 0.0,
-                peak_mem_gib=max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30,
-                host_offload_gib=rows[-1].get("offload_host_gb", 0) * 1e9 / 2**30, loss=rows[-1]["loss"])
+                peak_mem_gib=max(r["peak_mem_gib"] for r in rows), host_offload_gib=rows[-1]["host_pinned_gib"],
+                loss=rows[-1]["loss"])
 
 
 def main():

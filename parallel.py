@@ -47,9 +47,11 @@ def zigzag_positions(seq_len, rank, world, device=None):
 # take GQA as is (fewer K/V heads than Q heads; dK/dV come back with the K/V head count) and any layout whose
 # last dim is contiguous: the model passes [B, T, H, D] memory seen as [B, H, T, D] (a .contiguous() here copied
 # q, k, v and dout in every layer), which is FlashAttention's own [B, T, H, D] layout after a transpose.
-#   fa4:   FlashAttention-4 (`pip install flash-attn-4`, CuTe DSL kernels for sm90+): on an H200 at 32 q / 8 kv
-#          heads, d 128, 131k causal 658 / 622 TFLOP/s fwd / fwd+bwd against cuDNN's 568 / 539 (bench/fa4_attn.py).
-#          Each kernel variant compiles on its first call (~3-5 s).
+#   fa4:   FlashAttention-4 (`pip install flash-attn-4`, CuTe DSL kernels for sm90+). On an H200 at 32 q / 8 kv
+#          heads, d 128 (bench/fa4_attn.py), fwd / fwd+bwd TFLOP/s: causal 131k 671 / 622 against cuDNN's
+#          558 / 539; a ring's non-causal block (q 65k x kv 131k) 631 / 621 against 611 / 555. Each kernel
+#          variant compiles on its first call (2-5 s; the very first also loads the DSL, 15 s in all). Its
+#          backward accumulates dQ with atomics, so its gradients are not bit-reproducible (cuDNN's are).
 #   cudnn: PyTorch's cuDNN attention op, the fastest that ships with PyTorch on H100/H200.
 #   flash: PyTorch's flash attention op (FlashAttention-2), ~1.7x slower than cuDNN on an H200; where cuDNN
 #          refuses an input it runs instead.
@@ -150,9 +152,9 @@ def _attn_fwd(q, k, v, causal, backend="auto"):
 # The attention backward needs, besides dq/dk/dv, a workspace that grows with heads x length (an fp32 dQ
 # accumulator, 2 GiB for 32 heads x 131k tokens, and, in cuDNN and FA4 under GQA, more): it was the largest
 # item at the training step's memory peak. Heads are independent, so the backward runs over groups of heads,
-# one kernel call each, into gradients allocated whole. Measured on an H200 at 131k tokens (bench/attn_heads.py,
-# bench/fa4_attn.py): cuDNN, 32 query heads in one call 5.5 GiB and 648 ms, 4 per call 2.4 GiB and 650 ms;
-# Qwen3-1.7B's 16 heads 3.0 -> 2.0 GiB, +1.2% time.
+# one kernel call each, into gradients allocated whole. Measured on an H200 at 131k tokens, 32 q / 8 kv heads
+# (bench/attn_heads.py, bench/fa4_attn.py), one call -> 4 query heads per call: cuDNN 5.5 -> 2.4 GiB, 657 -> 658 ms;
+# FA4 4.5 -> 2.25 GiB, 574 ms both; Qwen3-1.7B's 16 heads (cuDNN) 3.0 -> 2.0 GiB, +1.2% time.
 BWD_QUERY_HEADS_PER_CALL = 4
 
 

@@ -127,9 +127,10 @@ def main():
               f"{r['fwd_bwd_ms']:8.1f} {r['first_fwd_s']:9.2f} {r['first_bwd_s']:9.2f}  {per}")
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as fh:
-        json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__, seq_len=t, q_heads=hq,
-                       kv_heads=hkv, head_dim=d, iters=args.iters, default_heads_per_call=parallel.BWD_QUERY_HEADS_PER_CALL,
-                       rows=rows), fh, indent=1)
+        device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+        json.dump(dict(device=device, torch=torch.__version__, seq_len=t, q_heads=hq, kv_heads=hkv, head_dim=d,
+                       iters=args.iters, default_heads_per_call=parallel.BWD_QUERY_HEADS_PER_CALL, rows=rows),
+                  fh, indent=1)
     print(f"wrote {out_path}")
 
 

@@ -68,8 +68,9 @@ def main():
         got = ring()
         gathered = []
         for x in got:  # [B, H, T/cp, D] shards -> rank 0's whole [B, H, T, D]
+            x = x.contiguous()  # a collective writes raw bytes: the receive buffers must be contiguous too
             parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
-            dist.gather(x.contiguous(), parts, dst=0)
+            dist.gather(x, parts, dst=0)
             gathered.append(parallel.zigzag_unshard(parts, 2) if rank == 0 else None)
         del got
         if rank == 0:
@@ -98,8 +99,9 @@ def main():
     if rank == 0:
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
         with open(out_path, "w") as fh:
-            json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__, q_heads=hq, kv_heads=hkv,
-                           head_dim=d, iters=args.iters, rows=results), fh, indent=1)
+            device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+            json.dump(dict(device=device, torch=torch.__version__, q_heads=hq, kv_heads=hkv, head_dim=d,
+                           iters=args.iters, rows=results), fh, indent=1)
         print(f"wrote {out_path}")
     dist.destroy_process_group()
 

@@ -11,8 +11,12 @@ grads, against 120 ms and 27.8 GiB with full logits; the three matmuls alone tak
     loss_sum, n_valid = chunked_nll(hidden, lm_head.weight, labels)   # hidden [N, H], labels [N]
     (loss_sum / n_valid).backward()
 
+The result also carries each row's NLL (`.row_nll`, [N] fp32, 4 bytes a row), a by-product of the chunk loop:
+train.py sums it by position in the sequence to show whether later tokens gain from the long context.
+
 Exercised by `python -m pytest tests/test_loss.py -q` (CPU) and `python bench/bench_loss.py` (H200).
 """
+import dataclasses
 import functools
 
 import torch
@@ -38,16 +42,16 @@ def addmm_fp32_(acc, a, b):
 
 
 def _nll_and_dlogits(x, y, grad_dtype):
-    """Summed -log softmax(x)[y], and dlogits = softmax(x) - onehot(y) in grad_dtype; the math in fp32.
+    """-log softmax(x)[y] per row, and dlogits = softmax(x) - onehot(y) in grad_dtype; the math in fp32.
 
-    x [c, V] fp32 logits, y [c, 1] targets -> (fp32 scalar, [c, V] grad_dtype). Written as plain formulas so
+    x [c, V] fp32 logits, y [c, 1] targets -> ([c] fp32, [c, V] grad_dtype). Written as plain formulas so
     that torch.compile fuses them into one kernel that reads x twice and writes dlogits once: 2.5 ms for
     4,096 x 151,936 on an H200, where the same ops run one by one (in place) take 6.8 ms.
     """
     m = x.amax(1, keepdim=True)                                                                 # [c, 1]
     e = torch.exp(x - m)                                                                        # [c, V]
     s = e.sum(1, keepdim=True)                                                                  # [c, 1]
-    loss = (m + s.log() - x.gather(1, y)).sum()  # -log softmax(x)[y] = logsumexp(x) - x[y]
+    loss = (m + s.log() - x.gather(1, y)).squeeze(1)  # [c]: -log softmax(x)[y] = logsumexp(x) - x[y]
     onehot = (torch.arange(x.shape[1], device=x.device) == y).to(x.dtype)                       # [c, V]
     # p - 1 is formed in fp32 before the one rounding to bf16: rounding p first would turn a confident
     # p = 0.999 into 1.0 and its gradient -0.001 into 0.
@@ -61,13 +65,14 @@ def _fused_nll_and_dlogits():
 
 
 class _ChunkedNLL(torch.autograd.Function):
-    """Forward returns the summed NLL and keeps its gradients; backward scales them by grad_output."""
+    """Forward returns the summed NLL (and, not differentiable, each row's) and keeps its gradients; backward
+    scales them by grad_output."""
 
     @staticmethod
     def forward(ctx, hidden, weight, rows, targets, chunk_size, need_dh, need_dw):
         # hidden [N, H], weight [V, H], rows [n] indices of the non-ignored rows, targets [n] their labels
         V, H = weight.shape
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        row_nll = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)      # [N]
         dh = torch.zeros_like(hidden) if need_dh else None                                      # [N, H]
         dw = torch.zeros(V, H, dtype=torch.float32, device=weight.device) if need_dw else None  # [V, H] fp32
         for start in range(0, rows.numel(), chunk_size):
@@ -75,11 +80,11 @@ class _ChunkedNLL(torch.autograd.Function):
             h = hidden.index_select(0, idx)                                                     # [c, H]
             x = _mm_fp32(h, weight.T)                                                           # [c, V] fp32
             if not (need_dh or need_dw):  # evaluation: the loss alone
-                loss += (torch.logsumexp(x, 1) - x.gather(1, y).squeeze(1)).sum()
+                row_nll.index_copy_(0, idx, torch.logsumexp(x, 1) - x.gather(1, y).squeeze(1))
                 continue
             nll = _fused_nll_and_dlogits() if x.is_cuda else _nll_and_dlogits
-            chunk_loss, g = nll(x, y, hidden.dtype)                                             # g [c, V]
-            loss += chunk_loss
+            chunk_nll, g = nll(x, y, hidden.dtype)                                        # [c] fp32, g [c, V]
+            row_nll.index_copy_(0, idx, chunk_nll)
             del x  # the chunk peak is then 6 B per [c, V] element: fp32 logits while bf16 g is written
             if need_dh:
                 dh.index_copy_(0, idx, g @ weight)                                              # [c, H]
@@ -90,10 +95,11 @@ class _ChunkedNLL(torch.autograd.Function):
         # bf16 once. Rounding per chunk would add rows / chunk_size roundings (64 a step at 131,072 rows),
         # and rounding before the scaling one more (tests/test_loss.py: 2.3-2.7x and 1.5x the error of one).
         ctx.grads, ctx.weight_dtype = (dh, dw), weight.dtype
-        return loss
+        ctx.mark_non_differentiable(row_nll)
+        return row_nll.sum(), row_nll
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_rows):
         if ctx.grads is None:
             raise RuntimeError("chunked_nll: backward ran twice; its saved gradients are scaled in place")
         dh, dw = ctx.grads
@@ -107,13 +113,33 @@ class _ChunkedNLL(torch.autograd.Function):
         return dh, dw, None, None, None, None, None
 
 
-def chunked_nll(hidden, weight, labels, ignore_index=-100, chunk_size=2048):
+@dataclasses.dataclass
+class NLL:
+    """What chunked_nll returns. It unpacks and indexes as the pair (loss_sum, n_valid) that callers use;
+    row_nll comes on top. A dataclass rather than a tuple subclass: FSDP2 rebuilds a module's output container
+    to hook its tensors, and it rebuilds a dataclass field by field but a tuple from its items alone."""
+    loss_sum: torch.Tensor  # fp32 scalar, connected to the graph
+    n_valid: torch.Tensor   # int64 scalar
+    row_nll: torch.Tensor   # [N] fp32, each row's NLL (0 for ignored rows); not differentiable
+
+    def __iter__(self):
+        return iter((self.loss_sum, self.n_valid))
+
+    def __getitem__(self, i):
+        return (self.loss_sum, self.n_valid)[i]
+
+    def __len__(self):
+        return 2
+
+
+def chunked_nll(hidden, weight, labels, ignore_index=-100, chunk_size=2048) -> NLL:
     """Summed next-token NLL of `labels` under softmax(hidden @ weight.T), without the [N, V] logits.
 
     hidden [N, H] and weight [V, H] share a dtype (bf16 on GPU; fp32 or bf16 on CPU); labels [N] are integers;
     rows whose label is `ignore_index` are skipped, not computed. Returns (loss_sum, n_valid): an fp32 scalar
     connected to the graph (also when every label is ignored: under FSDP every rank must run the same backward)
-    and an int64 scalar, so that ranks can divide by the global count of target tokens.
+    and an int64 scalar, so that ranks can divide by the global count of target tokens; plus `.row_nll` [N]
+    fp32: each row's NLL (0 where ignored), whose sum is loss_sum.
     Memory: an fp32 [V, H] grad_weight accumulator plus 6 * chunk_size * V bytes. The default chunk, 2,048
     rows, is 1.7 GiB of temporaries at V = 151,936 (8,192 rows: 7 GiB) and costs 5% in time against 8,192 on
     16,384 rows (110 vs 104 ms, H200; the three matmuls alone take 92 ms): bench/bench_loss.py.
@@ -137,6 +163,6 @@ def chunked_nll(hidden, weight, labels, ignore_index=-100, chunk_size=2048):
                          f"got values in [{lo}, {hi}]")
     grad_on = torch.is_grad_enabled()  # forward() below runs with grad off, so decide here
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes above are the ones the math uses
-        loss_sum = _ChunkedNLL.apply(hidden, weight, rows, targets, chunk_size,
-                                     grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
-    return loss_sum, valid.sum()
+        loss_sum, row_nll = _ChunkedNLL.apply(hidden, weight, rows, targets, chunk_size,
+                                              grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+    return NLL(loss_sum, valid.sum(), row_nll)

@@ -221,10 +221,44 @@ def test_fused_part_compiles_as_one_graph():
     got_loss, got_g = compiled(x, y, torch.bfloat16)
     ref = x.double().requires_grad_()
     F.cross_entropy(ref, y[:, 0], reduction="sum").backward()
-    torch.testing.assert_close(got_loss.double(), F.cross_entropy(x.double(), y[:, 0], reduction="sum"),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_loss.double(), F.cross_entropy(x.double(), y[:, 0], reduction="none"),
+                               rtol=1e-6, atol=0)  # [c]: one NLL per row
     assert got_g.dtype == torch.bfloat16
     close(got_g, ref.grad, 1e-2)
+
+
+@pytest.mark.parametrize("grad", [True, False])  # the training path (fused) and the evaluation path (logsumexp)
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_row_nll_is_each_rows_loss(grad, chunk):
+    """.row_nll [N]: each row's NLL against the float64 per-row cross-entropy, 0 on ignored rows, summing to
+    loss_sum; and the result still unpacks and indexes as (loss_sum, n_valid)."""
+    hidden, weight, labels = make(37, 997, 24, ignore=[0, 5, 36])
+    with torch.set_grad_enabled(grad):
+        out = chunked_nll(hidden, weight, labels, chunk_size=chunk)
+    ref = F.cross_entropy(hidden.detach().double() @ weight.detach().double().T, labels, reduction="none")  # [N]
+    assert out.row_nll.shape == (37,) and out.row_nll.dtype == torch.float32 and not out.row_nll.requires_grad
+    torch.testing.assert_close(out.row_nll.double(), ref, rtol=1e-5, atol=1e-6)
+    assert (out.row_nll[[0, 5, 36]] == 0).all()
+    torch.testing.assert_close(out.row_nll.double().sum(), out.loss_sum.double(), rtol=1e-6, atol=0)
+    loss_sum, n_valid = out
+    assert loss_sum is out[0] is out.loss_sum and n_valid is out[1] and len(out) == 2 and int(n_valid) == 34
+    if grad:  # row_nll is a by-product: the gradients are loss_sum's alone
+        loss_sum.backward()
+        close(hidden.grad, oracle(hidden, weight, labels)[2], 1e-5)
+
+
+def test_row_nll_sums_by_position():
+    """What train.py does with row_nll: sums over buckets of position (index_add) equal the per-row oracle's
+    sums over the same spans, and add up to loss_sum."""
+    N, K = 50, 4  # 50 rows into 4 buckets: spans of 13, 12, 13, 12 rows (not equal: 4 does not divide 50)
+    hidden, weight, labels = make(N, 101, 16, ignore=[3, 49])
+    out = chunked_nll(hidden, weight, labels, chunk_size=9)
+    bucket = torch.arange(N) * K // N                                                            # [N]
+    sums = torch.zeros(K).index_add_(0, bucket, out.row_nll)
+    ref = F.cross_entropy(hidden.detach().double() @ weight.detach().double().T, labels, reduction="none")
+    want = torch.stack([ref[bucket == b].sum() for b in range(K)])
+    torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(sums.sum(), out.loss_sum.detach(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -88,24 +88,47 @@ def load_tokenizer(spec: str):
 # Books: synthetic, local files, or PG-19 on the hub
 # ---------------------------------------------------------------------------------------------
 
-def synthetic_book(seed: int, index: int) -> str:
-    """Book `index` of the synthetic corpus, a pure function of (seed, index) so that skipping books is free.
+def synthetic_book(seed: int, index: int, words: int = 800) -> str:
+    """Book `index` of the synthetic corpus, a pure function of (seed, index, words) so that skipping books is free.
 
-    400-1200 Zipf-distributed pseudo-words from a 512-word vocabulary (~3-8k characters), and one passage of
-    20-45 uniformly drawn words (~100-300 characters) written in the first eighth and repeated verbatim twice in
-    the second half. Filler is predictable only from word frequencies; the later copies are predictable from
-    thousands of characters back, so a model that attends that far measurably wins.
+    words/2 to 3·words/2 Zipf-distributed pseudo-words from a 512-word vocabulary (the default 800: 400-1200
+    words, ~3-8k characters), and one passage of 20-45 uniformly drawn words (~100-300 characters) written in the
+    first eighth and repeated verbatim twice in the second half. Filler is predictable only from word
+    frequencies; the later copies are predictable from far back, so a model that attends that far measurably
+    wins. `words` sets that recall distance (median characters from one copy to the next, 100 books, seed 0):
+    800 (data source "synthetic"): books of ~6,000 characters, copies 3,360 then 976 apart; 100
+    ("synthetic:100"): ~1,300 characters, 625 then 334 apart; 50: ~1,000 characters, 434 then 272 apart.
     """
+    if words < 16:
+        raise ValueError(f"synthetic books need words >= 16 (the passage goes in the first eighth), got {words}")
     rng = np.random.default_rng(seed)  # the vocabulary, shared by every book of this seed
     lengths, letters = rng.integers(2, 10, size=512), rng.integers(97, 123, size=(512, 9), dtype=np.uint8)
     vocab = [bytes(row[:n]).decode() for row, n in zip(letters, lengths)]
     zipf = 1.0 / np.arange(1, 513)
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(index,)))  # this book's own stream
-    n = int(rng.integers(400, 1200))
+    n = int(rng.integers(words // 2, 3 * words // 2))
     filler = [vocab[i] for i in rng.choice(512, size=n, p=zipf / zipf.sum())]
     passage = [vocab[i] for i in rng.integers(0, 512, size=int(rng.integers(20, 45)))]
     a, (b, c) = int(rng.integers(0, n // 8)), sorted(int(x) for x in rng.integers(n // 2, n, size=2))
     return " ".join(filler[:a] + passage + filler[a:b] + passage + filler[b:c] + passage + filler[c:])
+
+
+# The synthetic corpus is endless, so its held-out splits are books no training run reaches: split "validation"
+# starts at book 10^9 (5·10^12 characters in), "test" at 2·10^9. Same seed, hence the same vocabulary.
+SYNTHETIC_SPLIT_START = {"train": 0, "validation": 10**9, "test": 2 * 10**9}
+
+
+def parse_synthetic(source: str) -> int | None:
+    """'synthetic' -> 800 (words per book, on average), 'synthetic:N' -> N; None for any other source."""
+    if source == "synthetic":
+        return 800
+    if not source.startswith("synthetic:"):
+        return None
+    try:
+        return int(source.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"data source {source!r}: write synthetic:N with N the mean words per book, e.g. "
+                         "synthetic:100") from None
 
 
 def retry(fn: Callable, what: str, sleep: Callable[[float], None] = time.sleep, tries: int = 5):
@@ -222,15 +245,21 @@ def iter_books(source: str, *, seed: int = 0, start_book: int = 0, repo: str = D
                revision: str = "main", split: str = "train", text_column: str = "text") -> Iterator[tuple[int, str]]:
     """(book_index, text) in a fixed order, from book `start_book` on.
 
-    source: "synthetic" (infinite, generated from `seed`), "pg19" (streamed from `repo` on the hub), or a local
-    .txt file (one book), .jsonl (one book per line, field `text_column`), .parquet (one book per row, column
-    `text_column`), or a folder of those, read in sorted name order. `seed` only shapes the synthetic corpus;
-    real books come in file order. Paths are checked here, before the first book is read.
+    source: "synthetic" or "synthetic:N" (infinite, generated from `seed`, books of N words on average; the
+    split picks a range of books that the others never reach), "pg19" (streamed from `repo` on the hub), or a
+    local .txt file (one book), .jsonl (one book per line, field `text_column`), .parquet (one book per row,
+    column `text_column`), or a folder of those, read in sorted name order. `seed` only shapes the synthetic
+    corpus; real books come in file order. Paths are checked here, before the first book is read.
     """
     if start_book < 0:
         raise ValueError(f"start_book must be >= 0, got {start_book}")
-    if source == "synthetic":
-        return ((i, synthetic_book(seed, i)) for i in itertools.count(start_book))
+    words = parse_synthetic(source)
+    if words is not None:
+        if split not in SYNTHETIC_SPLIT_START:
+            raise ValueError(f"split {split!r}: the synthetic corpus has splits {sorted(SYNTHETIC_SPLIT_START)}")
+        synthetic_book(seed, 0, words)  # a bad `words` fails here, not in the loader's thread
+        first = SYNTHETIC_SPLIT_START[split]  # book indices stay 0-based within the split (resume counts them)
+        return ((i, synthetic_book(seed, first + i, words)) for i in itertools.count(start_book))
     if source == "pg19":
         fs = HfFileSystem()
         files = list_hub_parquet(fs, repo, revision, split)

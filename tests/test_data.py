@@ -181,6 +181,34 @@ def test_synthetic_repeats_an_early_passage_much_later():
         assert not any(other.find(text[s:s + 100]) >= 0 for s in range(0, quarter, 10))
 
 
+def test_synthetic_words_sets_the_recall_distance():
+    """synthetic:N: books of N/2..3N/2 words whose passage recurs within the book; the default is N = 800, the
+    same books as before the parameter existed."""
+    assert data.synthetic_book(0, 7) == data.synthetic_book(0, 7, 800)
+    assert next(data.iter_books("synthetic:800", seed=2, start_book=3))[1] == data.synthetic_book(2, 3)
+    short = [t for _, t in itertools.islice(data.iter_books("synthetic:50", seed=0), 20)]
+    assert all(500 < len(t) < 1800 for t in short), sorted(map(len, short))
+    for t in short:  # a 60-character piece of the passage recurs (at most a book's length later)
+        assert any(t.find(t[s:s + 60], s + 60) >= 0 for s in range(len(t) // 4)), t
+    with pytest.raises(ValueError, match="synthetic:N"):
+        data.iter_books("synthetic:many")
+    with pytest.raises(ValueError, match="words >= 16"):
+        data.iter_books("synthetic:4")
+
+
+def test_synthetic_validation_split_is_held_out():
+    """Held-out synthetic books for evaluation: the same vocabulary (seed), books no training stream reaches."""
+    train = [t for _, t in itertools.islice(data.iter_books("synthetic:100", seed=0, split="train"), 50)]
+    val = list(itertools.islice(data.iter_books("synthetic:100", seed=0, split="validation", start_book=2), 3))
+    assert [i for i, _ in val] == [2, 3, 4]  # indices count within the split, as resume expects
+    assert val[0][1] == data.synthetic_book(0, 10**9 + 2, 100)
+    assert not any(v == t for _, v in val for t in train)
+    vocab = set(" ".join(train).split())
+    assert set(val[0][1].split()) <= vocab  # the same language
+    with pytest.raises(ValueError, match="splits"):
+        data.iter_books("synthetic", split="dev")
+
+
 @pytest.mark.parametrize("before, dp_size", [(1, 1), (3, 1), (30, 1), (2, 2), (9, 3)])
 def test_resume_continues_with_exactly_the_same_windows(pg19, before, dp_size):
     tok, seq_len = data.ByteTokenizer(), 40

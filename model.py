@@ -319,16 +319,17 @@ class Qwen3(nn.Module):
                 p.normal_(0.0, std, generator=generator)
 
     def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0, offload_layers: int = 0,
-                   keep_attention: bool = False):
+                   keep_attention: bool = False, keep_attention_layers: int = 0):
         """The memory levers of section 2: recompute each block in backward from its kept input; keep
         attention's output + lse too (keep_attention); hold what is kept in pinned host memory for the first
         `offload_layers` blocks (0 = all: the first blocks' tensors are needed last in backward, so their
-        copies hide best); compute the MLP in tiles of mlp_tile rows (0 = off). Offload implies recompute."""
+        copies hide best), and keep attention for the first `keep_attention_layers` (0 = all); compute the MLP in
+        tiles of mlp_tile rows (0 = off). Offload implies recompute."""
         shared = HostOffload() if offload else None
-        n = offload_layers or len(self.layers)
+        n, k = offload_layers or len(self.layers), keep_attention_layers or len(self.layers)
         for b in self.layers:
             b.recompute, b.offload, b.mlp.tile = recompute or offload, shared if b.index < n else None, mlp_tile
-            b.keep_attention = keep_attention
+            b.keep_attention = keep_attention and b.index < k
         return self
 
     @classmethod

@@ -1,0 +1,139 @@
+"""plan.py: the cost model against the runs it was fitted to, the planner against a brute-force search under the
+same model, the pinned-host figure against what HostOffload really holds, and --fit auto in train.py."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+import plan
+from model import Qwen3, Qwen3Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9 / 2**30  # GiB per GB
+
+
+def shape(name="qwen3-8b", seq_len=1_048_576, cp=8, world=8, per_node=8, param_bytes=4):
+    mcfg = Qwen3Config.from_pretrained(os.path.join(ROOT, "bench", "configs", name))
+    return plan.Shape.of(mcfg, seq_len, cp, world, per_node, param_bytes=param_bytes)
+
+
+def test_the_constants_are_the_fit_of_the_measured_runs():
+    """The constants in plan.py are what fit() gets from bench/results (not stale), and they predict every run
+    within 6% in time and GPU memory."""
+    import contextlib
+    import io
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        errs = plan.fit()
+    fitted = dict(line.split(" = ") for line in out.getvalue().splitlines())
+    for name, value in fitted.items():
+        assert float(value) == pytest.approx(getattr(plan, name), rel=2e-3), name
+    assert len(errs) == 11
+    for name, dt, dm in errs:
+        assert abs(dt) < 0.06 and abs(dm) < 0.06, (name, dt, dm)
+
+
+def test_the_chosen_plan_is_the_fastest_that_fits():
+    """Against every (offload_layers, keep_attention_layers) pair under the same model, on nodes from roomy to too
+    small: the plan is the fastest that fits and, of those, the one pinning the least host memory; when the plan
+    says nothing fits, nothing does."""
+    s = shape()
+    chosen = 0
+    for gpu, host in ((74.5, 1907), (131, 560), (74.5, 512 * GB), (50, 600), (74.5, 250), (60, 200), (40, 600)):
+        fits = []
+        for off, keep in itertools.product(range(s.layers + 1), repeat=2):
+            c = plan.predict(s, plan.Levers(off, keep))
+            if c.gpu_gib <= plan.GPU_MARGIN * gpu and c.host_gib * s.ranks_per_node <= plan.HOST_MARGIN * host:
+                fits.append((c.step_s, c.host_gib))
+        try:
+            lv, cost = plan.choose(s, gpu, host)
+        except plan.NoFit:
+            assert not fits, (gpu, host)
+            continue
+        chosen += 1
+        best_time = min(f[0] for f in fits)
+        assert cost.step_s == pytest.approx(best_time, rel=1e-12), (gpu, host)
+        assert cost.host_gib == min(f[1] for f in fits if f[0] == best_time)
+    assert chosen >= 5
+
+
+@pytest.mark.parametrize("gpu_gib,host_gib", [(80 * GB, 2000 * GB), (141 * GB, 560), (80 * GB, 512 * GB)])
+def test_the_headline_command_gets_a_plan_on_common_nodes(gpu_gib, host_gib):
+    """Qwen3-8B, 1,048,576 tokens, 8 GPUs, fp32 master weights: 8x80 GB + 2 TB, 8x141 GB + 560 GiB, 8x80 GB +
+    512 GB. The old defaults (offload and keep everything) need 580.5 GiB of pinned memory per node."""
+    s = shape()
+    old = plan.predict(s, plan.Levers(s.layers, s.layers))
+    assert old.host_gib * 8 == pytest.approx(580.5, abs=0.1)  # what made the default command stop before
+    lv, cost = plan.choose(s, gpu_gib, host_gib)
+    assert cost.host_gib * 8 <= 0.9 * host_gib and cost.gpu_gib <= 0.92 * gpu_gib
+    assert lv.keep_attention_layers == s.layers  # every node here can afford to skip attention's recompute
+
+
+def test_levers_the_user_sets_win_and_no_fit_names_what_would():
+    s = shape()
+    lv, _ = plan.choose(s, 74.5, 1907, fixed={"keep_attention_layers": 0, "tiled_mlp": True, "mlp_tile": 8192})
+    assert lv.keep_attention_layers == 0 and lv.mlp_tile == 8192
+    with pytest.raises(plan.NoFit, match=r"nearest .*needs .* GiB of GPU memory.*--cp 16"):
+        plan.choose(s, 40, 2000)  # 8 GPUs of 40 GiB: the state alone is 15 GiB, the kept tensors the rest
+    with pytest.raises(plan.NoFit, match=r"GiB of host memory per node \(limit 7 of 8\)"):
+        plan.choose(s, 60, 8)  # no room on the GPU for every block's input, none on the host for any
+
+
+def test_pinned_host_bytes_are_what_host_offload_holds():
+    """plan.host_bytes is exact: a tiny model with 2 of 3 blocks offloaded and 1 keeping attention."""
+    from parallel import RingAttention
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = Qwen3Config.tiny(num_hidden_layers=3)
+        m = Qwen3(cfg, RingAttention(dist.group.WORLD)).set_levers(offload=True, offload_layers=2,
+                                                                    keep_attention=True, keep_attention_layers=1)
+        m.init_weights(torch.Generator().manual_seed(0))
+        ids = torch.randint(0, 257, (1, 40))
+        s, _ = m(ids, labels=ids)
+        s.backward()
+        shp = plan.Shape.of(cfg, 40, 1, 1, 1, act_bytes=4)
+        assert m.layers[0].offload.host_bytes() == plan.host_bytes(shp, plan.Levers(2, 1))
+        assert [b.keep_attention for b in m.layers] == [True, False, False]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_cost_model_keeps_attention_where_it_buys_time():
+    """Time falls with every block that keeps attention, and host memory rises by exactly its kept tensors."""
+    s = shape()
+    costs = [plan.predict(s, plan.Levers(s.layers, k)) for k in range(s.layers + 1)]
+    assert all(a.step_s > b.step_s for a, b in zip(costs, costs[1:]))
+    _, attn = plan.kept_bytes(s)
+    assert costs[1].host_gib - costs[0].host_gib == pytest.approx(attn / 2**30)
+
+
+def run_train(tmp_path, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", "tiny", "--tokenizer", "byte", "--data",
+           "synthetic", "--device", "cpu", "--dtype", "float32", "--yarn_factor", "0", "--seq_len", "2048",
+           "--max_steps", "1", "--loss_chunk", "512", "--checkpoints", "false", "--out_dir", str(tmp_path / "run"),
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_fit_auto_in_train_py(tmp_path):
+    """With capacities given (on CPU too), train.py prints the plan and trains with it; a lever on the command line
+    wins; a node where nothing fits stops with one line naming the nearest plan."""
+    s = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512)  # as run_train runs
+    gpu = plan.predict(s, plan.Levers(1, 2)).gpu_gib / plan.GPU_MARGIN * 1.0001  # fits with 1 of 2 blocks offloaded
+    p = run_train(tmp_path, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "fit: " in p.stdout and "offload_layers 1/2, keep_attention_layers 2/2" in p.stdout, p.stdout
+    cfg = json.load(open(tmp_path / "run" / "train_config.json"))
+    assert cfg["offload"] and cfg["offload_layers"] == 1 and cfg["keep_attention_layers"] == 2
+    p = run_train(tmp_path, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100", "--keep_attention", "false",
+                  "--resume", "none", "--overwrite", "true")
+    assert p.returncode == 0 and "keep_attention_layers 0/2" in p.stdout and "given: keep_attention_layers" in p.stdout
+    p = run_train(tmp_path, "--gpu_mem_gib", "0.0001", "--host_mem_gib", "100")
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode != 0 and len(lines) == 1 and "no set of levers fits" in lines[0], p.stderr[-2000:]

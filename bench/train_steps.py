@@ -26,7 +26,7 @@ def run_one(model, seq_len, steps, extra, out_root, timeout):
            os.path.join(ROOT, "train.py"),
            "--model", model if model == "tiny" else os.path.join(ROOT, "bench", "configs", model),
            "--tokenizer", "byte", "--data", "synthetic", "--seq_len", str(seq_len), "--max_steps", str(steps),
-           "--cp", "1", "--param_dtype", "bfloat16", "--checkpoints", "false", "--out_dir", out, *extra.split()]
+           "--cp", "1", "--param_dtype", "bfloat16", "--checkpoints", "false", "--fit", "off", "--out_dir", out, *extra.split()]
     print("$", " ".join(cmd[4:]), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:

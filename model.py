@@ -689,8 +689,11 @@ def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: i
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    umask = os.umask(0o022)
+    os.umask(umask)
     for name, shard in zip(names, shards):
         save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)  # safetensors writes 0600: others could not read it
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}

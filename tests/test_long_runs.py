@@ -265,3 +265,23 @@ def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
     lines = error_lines(p)
     assert p.returncode != 0 and "GiB free on its disk, but a checkpoint needs" in lines[0], lines
     assert not (small_disk / "run" / "metrics.jsonl").exists()
+
+
+def test_the_export_is_whole_and_carries_the_run_tokenizer(tmp_path):
+    """--save_dir is written beside and renamed into place (an earlier export is replaced whole, never mixed);
+    it holds the tokenizer given by --tokenizer, with ordinary file permissions."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["<|endoftext|>", "[UNK]"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model-00001-of-00002.safetensors").write_text("a shard of an earlier, sharded export")
+    p = launch(2, tmp_path / "run", "--max_steps", "1", "--tokenizer", str(tmp_path / "tokenizer.json"),
+               "--save_dir", str(hf))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (hf / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+    assert all(os.stat(hf / f).st_mode & 0o044 == 0o044 for f in os.listdir(hf))  # readable by group and others
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("hf.")]  # no temporary folder left

@@ -90,6 +90,14 @@ class TrainConfig:
     dist_timeout_min: float = 30.0  # a collective (or start-up) waiting longer than this stops the run
     profile_step: int = 0         # >0: trace this step with torch.profiler (+ CUDA memory history) into
                                   # out_dir/profile/; bench/profile_step.py summarises it. The step runs slower
+    # loss by position (every step, in metrics.jsonl) and held-out evaluation (out_dir/eval.jsonl)
+    loss_buckets: int = 16        # the mean loss over this many equal spans of the sequence's global positions
+    eval_every: int = 0           # evaluate before the first step, every N steps and after the last; 0 = never
+    eval_only: bool = False       # evaluate --model (with --yarn_factor, at --seq_len) once and stop: no training,
+                                  # no checkpoint; a row is added to out_dir/eval.jsonl
+    eval_data: str = ""           # "" = --data's --eval_split (synthetic: books no training stream reaches)
+    eval_split: str = "validation"
+    eval_sequences: int = 2       # held-out sequences of --seq_len tokens per evaluation (the same ones each time)
 
 
 PRESETS = {
@@ -161,6 +169,12 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     need(not cfg.tiled_mlp or cfg.mlp_tile >= 1, "--mlp_tile must be >= 1 when --tiled_mlp true")
     need(cfg.yarn_factor == 0 or (cfg.yarn_factor >= 1 and cfg.yarn_original_max_position_embeddings >= 1),
          "--yarn_factor must be 0 (off) or >= 1, with --yarn_original_max_position_embeddings >= 1")
+    need(1 <= cfg.loss_buckets <= cfg.seq_len, f"--loss_buckets must lie in 1..--seq_len, not {cfg.loss_buckets}")
+    need(cfg.eval_every >= 0 and cfg.eval_sequences >= 1, "--eval_every must be >= 0 (0: never) and "
+         "--eval_sequences >= 1")
+    need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
+         f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "
+         "folder of books not trained on)")
     return cp
 
 
@@ -428,24 +442,49 @@ def step_flops(mcfg, seq_len: int) -> float:
 
 
 def train_step(model, opt, batch, positions, n_tokens: int, cfg: TrainConfig, lr: float):
-    """Forward + backward over the micro-batches, clip, AdamW. -> (loss, grad_norm, applied), where loss is the
-    global mean NLL over the n_tokens target tokens of every rank and micro-batch. A non-finite loss or grad
+    """Forward + backward over the micro-batches, clip, AdamW. -> (loss, grad_norm, applied, loss_by_position),
+    where loss is the global mean NLL over the n_tokens target tokens of every rank and micro-batch, and
+    loss_by_position the same mean over each of --loss_buckets spans of the sequence. A non-finite loss or grad
     norm (the same on every rank: both are all-reduced) skips the update: no weight changes."""
     for g in opt.param_groups:
         g["lr"] = lr
-    loss_sum = torch.zeros((), device=positions.device)
+    sums = PositionSums(positions, cfg.seq_len, cfg.loss_buckets)
     for inputs, labels in batch:
-        s, _ = model(inputs, positions, labels, loss_chunk=cfg.loss_chunk)
-        (s / n_tokens).backward()  # each rank's share of the global mean; FSDP2 sums the gradients
-        loss_sum += s.detach()
-    dist.all_reduce(loss_sum)
+        out = model(inputs, positions, labels, loss_chunk=cfg.loss_chunk)
+        (out.loss_sum / n_tokens).backward()  # each rank's share of the global mean; FSDP2 sums the gradients
+        sums.add(out, labels)
+    loss_sum, by_position = sums.reduce()
     grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
     loss = loss_sum / n_tokens
     applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
     if applied:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item(), grad_norm.item(), applied
+    return loss.item(), grad_norm.item(), applied, by_position
+
+
+class PositionSums:
+    """The loss summed over rows, and over each of k equal spans of the sequence's global positions: position
+    p (the input token whose successor is predicted) lies in span p·k // seq_len, wherever zigzag sharding put it.
+    Adding chunked_nll's row_nll costs two index_adds of T/cp values; reduce() is one all-reduce of 2k + 1
+    numbers, the collective the loss alone needed anyway."""
+
+    def __init__(self, positions, seq_len: int, k: int):
+        self.k, self.bucket = k, positions[0] * k // seq_len          # [T/cp] the span of each of this rank's rows
+        self.acc = torch.zeros(1 + 2 * k, device=positions.device)   # [loss sum, loss sum by span, targets by span]
+
+    def add(self, out, labels):
+        """out: chunked_nll's result for one sequence's rows on this rank; labels [1, T/cp]."""
+        self.acc[0] += out.loss_sum.detach()
+        self.acc[1:1 + self.k].index_add_(0, self.bucket, out.row_nll)
+        self.acc[1 + self.k:].index_add_(0, self.bucket, (labels[0] != -100).to(self.acc.dtype))
+
+    def reduce(self, group=None):
+        """Summed over the ranks of `group` (default: all: context, data parallel) -> (loss sum as a 0-d tensor,
+        [k] mean loss by span; None where it is not finite, as JSON has no NaN)."""
+        dist.all_reduce(self.acc, group=group)
+        k, acc = self.k, self.acc
+        return acc[0], [x if math.isfinite(x) else None for x in (acc[1:1 + k] / acc[1 + k:]).tolist()]
 
 
 def clip_grad_norm_(params, max_norm):
@@ -752,11 +791,16 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     log(f"world {world} = data parallel {world // cp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
+    if cfg.eval_only:
+        return evaluate_only(cfg, cp, rank, world, log)
     run = start_run(cfg, cp, rank, world, log)
     if run.done >= cfg.max_steps:
         log(f"the run in {cfg.out_dir} is complete (step {run.done} of --max_steps {cfg.max_steps}); nothing to do. "
             "Raise --max_steps to train on, or use another --out_dir")
         return 0
+    eval_log = open_eval_log(cfg, run.done) if cfg.eval_every else None
+    if run.done == 0 and eval_due(cfg, 0):  # the model as it came, before any step
+        evaluate(cfg, run.model, run.mcfg, run.model_path, run.positions, run.batches.group, 0, eval_log, log)
     last_save, saved, skipped, zero_norm = time.time(), run.done, 0, 0
     run.model.train()
     for step in range(run.done + 1, cfg.max_steps + 1):
@@ -771,13 +815,15 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop
         if cfg.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with profiled(cfg, step, rank, log):
-            loss, grad_norm, applied = train_step(run.model, run.opt, batch, run.positions, run.n_tokens, cfg,
-                                                  lr_at(step, cfg))
+            loss, grad_norm, applied, by_position = train_step(run.model, run.opt, batch, run.positions,
+                                                               run.n_tokens, cfg, lr_at(step, cfg))
         if step == run.done + 1:
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
-        log_step(cfg, run, step, loss, grad_norm, applied, time.time() - t0, world, log)
+        log_step(cfg, run, step, loss, by_position, grad_norm, applied, time.time() - t0, world, log)
         skipped, zero_norm = (0 if applied else skipped + 1), (zero_norm + 1 if grad_norm == 0 else 0)
         check_health(cfg, step, skipped, zero_norm, log)
+        if eval_due(cfg, step):
+            evaluate(cfg, run.model, run.mcfg, run.model_path, run.positions, run.batches.group, step, eval_log, log)
         reason = stop.reason()
         timed = cfg.ckpt_every_min > 0 and time.time() - last_save > 60 * cfg.ckpt_every_min
         stopping, timed = agree([reason is not None, timed], run.positions.device)  # one collective per step
@@ -814,7 +860,7 @@ def open_log(cfg: TrainConfig, done: int) -> "Metrics":
     return Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), done)
 
 
-def log_step(cfg, run: Run, step, loss, grad_norm, applied, dt, world, log):
+def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log):
     """One metrics.jsonl row and one printed line. Peak GPU memory (CPU: max RSS) is the largest over ranks."""
     device = run.positions.device
     peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else
@@ -827,7 +873,8 @@ def log_step(cfg, run: Run, step, loss, grad_norm, applied, dt, world, log):
                tokens_per_s=run.n_tokens / dt,
                mfu=run.flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
                peak_mem_gib=peak.item() / 2**30, host_pinned_gib=host / 2**30,
-               peak_mem_gb=peak.item() / 1e9)  # GB (1e9 bytes): kept for tools that read this older field
+               peak_mem_gb=peak.item() / 1e9,  # GB (1e9 bytes): kept for tools that read this older field
+               loss_by_position=by_position)  # [--loss_buckets] means over equal spans of the sequence
     if not applied:
         rec["skipped"] = True
     log(f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
@@ -836,6 +883,87 @@ def log_step(cfg, run: Run, step, loss, grad_norm, applied, dt, world, log):
         + ("" if applied else " | SKIPPED: non-finite loss or grad norm, no weight changed"))
     if run.metrics:
         run.metrics.write(rec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out evaluation: the loss, and the loss by position, on sequences no step trains on
+# ---------------------------------------------------------------------------------------------
+
+def eval_due(cfg: TrainConfig, step: int) -> bool:
+    return cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+
+
+def open_eval_log(cfg: TrainConfig, done: int) -> "Metrics | None":
+    """Rank 0: out_dir/eval.jsonl, cut back to the resumed step like metrics.jsonl (an --eval_only run passes
+    done = sys.maxsize: it keeps every earlier row and adds its own)."""
+    held = {}
+    on_rank0(lambda: (os.makedirs(cfg.out_dir, exist_ok=True),
+                      held.update(log=Metrics(os.path.join(cfg.out_dir, "eval.jsonl"), done))))
+    return held.get("log")
+
+
+def evaluate(cfg: TrainConfig, model, mcfg, model_path, positions, cp_group, step: int, eval_log, log) -> dict:
+    """The loss on the first --eval_sequences windows of --eval_data's --eval_split (the same windows at every
+    evaluation, so rows compare), overall and over --loss_buckets spans of position. The forward is training's
+    (ring attention, chunked loss) under no_grad: no block is recomputed or offloaded, as nothing is kept for a
+    backward. Windows are dealt round-robin to the data-parallel groups, so their count rounds up to a multiple
+    of data parallel. -> the row written to out_dir/eval.jsonl."""
+    t0, device = time.time(), positions.device
+    cp = dist.get_world_size(cp_group)
+    dp, dp_rank = dist.get_world_size() // cp, dist.get_rank() // cp
+    source = cfg.eval_data or cfg.data
+    batches = Batches(dataclasses.replace(cfg, data=source, data_split=cfg.eval_split, grad_accum=1), mcfg,
+                      model_path, cp_group, dp_rank, dp, device)
+    if cfg.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sums, sequences = PositionSums(positions, cfg.seq_len, cfg.loss_buckets), 0
+    try:
+        with torch.no_grad():
+            while sequences < cfg.eval_sequences:
+                try:
+                    [(inputs, labels)] = batches.next()                       # [1, T/cp] each
+                except DataEnd:
+                    break
+                sums.add(model(inputs, positions, labels, loss_chunk=cfg.loss_chunk), labels)
+                sequences += dp
+    finally:
+        batches.close()
+    if sequences == 0:  # the loader reports data shorter than one window per rank itself; this is the rest
+        raise SystemExit(f"error: --eval_data {source} (split {cfg.eval_split}) has no window of --seq_len + 1 tokens")
+    loss_sum, by_position = sums.reduce()
+    n = sequences * cfg.seq_len
+    peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else 0], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    rec = dict(step=step, loss=loss_sum.item() / n, loss_by_position=by_position, sequences=sequences, num_tokens=n,
+               seq_len=cfg.seq_len, eval_data=source, eval_split=cfg.eval_split, model=cfg.model,
+               rope_scaling=mcfg.rope_scaling, eval_time_s=time.time() - t0,
+               peak_mem_gib=peak.item() / 2**30 if cfg.device == "cuda" else None)
+    log(f"eval {step:4d} | loss {rec['loss']:.4f} on {sequences} x {cfg.seq_len:,} tokens | by position: "
+        + " ".join("-" if x is None else f"{x:.2f}" for x in by_position) + f" | {rec['eval_time_s']:.1f} s"
+        + (f" | peak mem {rec['peak_mem_gib']:.1f} GiB" if cfg.device == "cuda" else ""))
+    if eval_log:
+        eval_log.write(rec)
+    return rec
+
+
+def evaluate_only(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> int:
+    """--eval_only true: build --model (with --yarn_factor if given) sharded as for training, evaluate it once
+    at --seq_len, add a row (step 0) to out_dir/eval.jsonl. No optimizer, no training data, no checkpoint."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from parallel import RingAttention, zigzag_positions
+    dp = world // cp
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    mesh = init_device_mesh(cfg.device, (dp, cp), mesh_dim_names=("dp", "cp"))
+    attn = RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
+    model, mcfg, path, _ = build_model(cfg, init_device_mesh(cfg.device, (world,)), attn, getattr(torch, cfg.dtype),
+                                       device)
+    log(f"eval only: {cfg.model}, rope_scaling {mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
+        f"{cfg.seq_len:,} tokens from {cfg.eval_data or cfg.data} ({cfg.eval_split})")
+    positions = zigzag_positions(cfg.seq_len, rank % cp, cp, device=device)[None]   # [1, T/cp]
+    evaluate(cfg, model, mcfg, path, positions, mesh.get_group("cp"), 0, open_eval_log(cfg, sys.maxsize), log)
+    return 0
 
 
 if __name__ == "__main__":

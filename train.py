@@ -68,13 +68,18 @@ class TrainConfig:
                                   # bfloat16 halves their memory, but an AdamW update below bf16's resolution
                                   # (~1/256 of the weight) is lost: at lr 1e-5 most weights would never move
     attn_backend: str = "auto"    # auto | fa4 | cudnn | flash: the CUDA attention kernels (parallel.py)
-    # memory levers (model.py, section 2)
+    # memory levers (model.py, section 2). With --fit auto, plan.py sets those not given on the command line
+    fit: str = "auto"             # auto: the fastest levers predicted to fit this node (plan.py) | off: as given
+    gpu_mem_gib: float = 0.0      # GPU memory per rank the plan may use (0 = what is free on the GPU now)
+    host_mem_gib: float = 0.0     # host memory per node the plan may use (0 = RAM, or the cgroup's limit)
     recompute: bool = True        # recompute each block in backward, keeping only its input (was --checkpoint)
     offload: bool = True          # keep what is kept in pinned host memory
     offload_layers: int = 0       # offload only the first N blocks' tensors (0 = all): when host RAM is short
     keep_attention: bool = True   # keep attention's output + lse instead of recomputing attention in backward
+    keep_attention_layers: int = 0  # keep it for the first N blocks only (0 = all): the most time per host byte
     tiled_mlp: bool = True        # compute the MLP in sequence tiles of mlp_tile rows
-    mlp_tile: int = 16384
+    mlp_tile: int = 16384         # Qwen3-1.7B/131k on an H200: 8192 and 16384 give 15.87 s and 22.0 GiB, 32768
+                                  # 15.82 s and 23.2 GiB (bench/results/mlp_tile.json): the peak is elsewhere
     loss_chunk: int = 2048        # rows of the chunked loss (bench/bench_loss.py: 3% slower than 4096, 1.8 GiB less)
     peak_tflops: float = 989.0    # per GPU, dense bf16 (H100/H200 SXM), for MFU
     # the run: its folder, checkpoints, resume, the HF export
@@ -110,8 +115,9 @@ PRESETS = {
 OLD_FLAG_NAMES = {"checkpoint": "recompute"}
 
 
-def parse_args(argv) -> TrainConfig:
-    """--config NAME picks a preset; every other --key value overrides one field."""
+def parse_args(argv) -> tuple[TrainConfig, set]:
+    """--config NAME picks a preset; every other --key value overrides one field. -> (config, the fields given
+    on the command line: levers given there win over --fit auto's plan)."""
     if len(argv) % 2 or any(not k.startswith("--") for k in argv[::2]):
         raise SystemExit(f"error: arguments come in --key value pairs; got {argv}")
     pairs = {OLD_FLAG_NAMES.get(k[2:], k[2:]): v for k, v in zip(argv[::2], argv[1::2])}
@@ -134,7 +140,7 @@ def parse_args(argv) -> TrainConfig:
             except ValueError:
                 raise SystemExit(f"error: --{key} takes a {kind.__name__}, not {text!r}") from None
         setattr(cfg, key, value)
-    return cfg
+    return cfg, set(pairs) | set(PRESETS[name])
 
 
 def check_config(cfg: TrainConfig, world: int) -> int:
@@ -146,6 +152,9 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     need(cfg.device == "cpu" or torch.cuda.is_available(), "--device cuda but no GPU is visible; use --device cpu")
     for key in ("dtype", "param_dtype"):
         need(getattr(cfg, key) in ("bfloat16", "float32"), f"--{key} {getattr(cfg, key)}: use bfloat16 or float32")
+    need(cfg.fit in ("auto", "off"), f"--fit {cfg.fit}: use auto or off")
+    need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0 and cfg.offload_layers >= 0 and cfg.keep_attention_layers >= 0,
+         "--gpu_mem_gib, --host_mem_gib, --offload_layers and --keep_attention_layers must be >= 0")
     need(cfg.attn_backend in ("auto", "fa4", "cudnn", "flash"),
          f"--attn_backend {cfg.attn_backend}: use auto, fa4, cudnn or flash")
     need(cfg.cp >= 0, f"--cp {cfg.cp}: must be >= 1 (or 0 for the world size)")
@@ -266,7 +275,7 @@ def model_folder(spec: str) -> str:
         raise type(e)(f"--model {e}") from None
 
 
-def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
+def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, dtype, device, log):
     """Meta-device model -> FSDP2 shards -> weights read (or drawn) once on rank 0 and broadcast."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from model import Qwen3, Qwen3Config, load_hf_state_dict
@@ -277,12 +286,14 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     mcfg = Qwen3Config.tiny() if path is None else Qwen3Config.from_pretrained(path)
     if cfg.yarn_factor:
         mcfg = mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
+    plan_levers(cfg, mcfg, mesh.size(), given, device, log)
     pdtype = getattr(torch, cfg.param_dtype)
     with torch.device("meta"):
         model = Qwen3(mcfg, attn_fn).to(pdtype)
     shapes = {n: list(t.shape) for n, t in model.state_dict().items()}  # before sharding (then it is collective)
     model.set_levers(recompute=cfg.recompute, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0,
-                     offload_layers=cfg.offload_layers, keep_attention=cfg.keep_attention)
+                     offload_layers=cfg.offload_layers, keep_attention=cfg.keep_attention,
+                     keep_attention_layers=cfg.keep_attention_layers)
     shard_model(model, mesh, param_dtype=dtype)  # FSDP2 gathers the pdtype shards as dtype for compute
     model.to_empty(device=device)
 
@@ -303,24 +314,57 @@ def build_model(cfg: TrainConfig, mesh, attn_fn, dtype, device):
     return model, mcfg, path, shapes
 
 
-def check_host_memory(cfg, mcfg, cp, dtype, log):
+def plan_shape(cfg: TrainConfig, mcfg, world: int):
+    import plan
+    cp = cfg.cp or world
+    return plan.Shape.of(mcfg, cfg.seq_len, cp, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                         param_bytes=getattr(torch, cfg.param_dtype).itemsize,
+                         act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk)
+
+
+def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
+    """--fit auto: set the levers the command line did not, to the fastest plan predicted to fit this node
+    (plan.py). Every rank computes the same plan: the capacities are the smallest any rank sees."""
+    import plan
+    L = mcfg.num_hidden_layers
+    fixed = {}  # what the user said wins
+    if "offload" in given or "offload_layers" in given:
+        fixed["offload_layers"] = 0 if not cfg.offload else (cfg.offload_layers or L)
+    if "keep_attention" in given or "keep_attention_layers" in given:
+        fixed["keep_attention_layers"] = 0 if not cfg.keep_attention else (cfg.keep_attention_layers or L)
+    if "tiled_mlp" in given or "mlp_tile" in given:
+        fixed.update(tiled_mlp=cfg.tiled_mlp, mlp_tile=cfg.mlp_tile)
+    if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib):
+        return log(f"fit: levers as given ({'--fit off' if cfg.fit == 'off' else 'no recompute' if not cfg.recompute else 'CPU'})")
+    caps = torch.tensor([cfg.gpu_mem_gib or plan.gpu_memory_gib(), cfg.host_mem_gib or plan.host_memory_gib()],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(caps, op=dist.ReduceOp.MIN)
+    s = plan_shape(cfg, mcfg, world)
+    try:
+        lv, cost = plan.choose(s, caps[0].item(), caps[1].item(), fixed)
+    except plan.NoFit as e:
+        raise SystemExit(f"error: --fit auto: {e}") from None
+    cfg.offload, cfg.offload_layers = lv.offload_layers > 0, lv.offload_layers
+    cfg.keep_attention, cfg.keep_attention_layers = lv.keep_attention_layers > 0, lv.keep_attention_layers
+    cfg.tiled_mlp, cfg.mlp_tile = lv.tiled_mlp, lv.mlp_tile
+    log(f"fit: {caps[0].item():.1f} GiB GPU per rank, {caps[1].item():.0f} GiB host per node -> "
+        + plan.describe(lv, cost, s) + (f" (given: {', '.join(sorted(fixed))})" if fixed else ""))
+
+
+def check_host_memory(cfg, mcfg, world, log):
     """Pinned host memory for offloaded tensors: say how much, and stop before the first step if this machine
     cannot hold it for all of its ranks (pinned pages cannot be swapped out)."""
-    layers = min(cfg.offload_layers or mcfg.num_hidden_layers, mcfg.num_hidden_layers)
-    per_token = mcfg.hidden_size * dtype.itemsize  # the block input
-    if cfg.keep_attention:  # + the attention output and its fp32 log-sum-exp
-        per_token += mcfg.num_attention_heads * (mcfg.head_dim * dtype.itemsize + 4)
-    per_rank = layers * cfg.seq_len // cp * per_token
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    log(f"offload: {layers} blocks' kept tensors, {per_rank / 2**30:.1f} GiB of pinned host memory per rank, "
-        f"{local * per_rank / 2**30:.1f} GiB for the {local} rank(s) of this node ({total / 2**30:.0f} GiB RAM)")
-    # 10% of RAM is left to the OS, page cache and the processes' own (unpinned) memory: an estimate, not a
-    # measurement; --offload_layers lowers the pinned amount when this check is too strict or too loose
-    if local * per_rank > 0.9 * total:
+    import plan
+    s, L = plan_shape(cfg, mcfg, world), mcfg.num_hidden_layers
+    per_rank = plan.host_bytes(s, plan.Levers(min(cfg.offload_layers or L, L) if cfg.offload else 0,
+                                              min(cfg.keep_attention_layers or L, L) if cfg.keep_attention else 0))
+    local, total = s.ranks_per_node, (cfg.host_mem_gib or plan.host_memory_gib()) * 2**30
+    log(f"offload: {per_rank / 2**30:.1f} GiB of pinned host memory per rank, {local * per_rank / 2**30:.1f} GiB for "
+        f"the {local} rank(s) of this node ({total / 2**30:.0f} GiB RAM)")
+    if local * per_rank > plan.HOST_MARGIN * total:  # the rest for the OS, page cache, the processes' own memory
         raise SystemExit(f"error: offloading needs {local * per_rank / 2**30:.0f} GiB of host RAM on this node but "
-                         f"it has {total / 2**30:.0f} GiB; use --offload_layers N (fewer blocks offloaded), more "
-                         "context parallelism (--cp), or --offload false")
+                         f"it has {total / 2**30:.0f} GiB; use --fit auto, --offload_layers N (fewer blocks "
+                         "offloaded), --keep_attention_layers N, more context parallelism (--cp), or --offload false")
 
 
 def make_optimizer(cfg: TrainConfig, model):
@@ -681,14 +725,13 @@ def profiled(cfg: TrainConfig, step: int, rank: int, log):
 
 def main(argv):
     t_start = time.time()
-    cfg = parse_args(argv)
+    cfg, given = parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
     cp = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    stop = StopRequest()
     rank, code = int(os.environ.get("RANK", "0")), 1
     try:
         rank, world = init_distributed(cfg)
-        code = train(cfg, cp, rank, world, t_start, stop)
+        code = train(cfg, given, cp, rank, world, t_start)
     except BaseException as e:
         msg = error_message(e, cfg, cp, rank)
         if msg is None:
@@ -735,7 +778,7 @@ class Run:
     model_path: str | None
 
 
-def start_run(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> Run:
+def start_run(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, log) -> Run:
     """Meshes, model, optimizer, data; then the checkpoint to resume (if any), the output checks and the log."""
     from torch.distributed.device_mesh import init_device_mesh
     from parallel import RingAttention, zigzag_positions
@@ -746,12 +789,13 @@ def start_run(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> Run:
     torch.manual_seed(cfg.seed)
     mesh = init_device_mesh(cfg.device, (dp, cp), mesh_dim_names=("dp", "cp"))
     attn = RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
-    model, mcfg, path, shapes = build_model(cfg, init_device_mesh(cfg.device, (world,)), attn, dtype, device)
+    model, mcfg, path, shapes = build_model(cfg, given, init_device_mesh(cfg.device, (world,)), attn, dtype, device,
+                                            log)
     n_params = sum(math.prod(s) for s in shapes.values())
     log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {n_params / 1e9:.3f} B parameters, "
         f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}")
     if cfg.offload:
-        check_host_memory(cfg, mcfg, cp, dtype, log)
+        check_host_memory(cfg, mcfg, world, log)
     if cfg.param_dtype == "bfloat16":
         log("warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
             "1/256 of a weight rounds away (at lr 1e-5, 98% of weights do not move). Use float32 unless you are "
@@ -787,13 +831,13 @@ def peer_failure(e: RuntimeError) -> bool:
                                                                     "Timed out", "Connection reset by peer"))
 
 
-def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop: StopRequest) -> int:
+def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start: float) -> int:
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     log(f"world {world} = data parallel {world // cp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
     if cfg.eval_only:
-        return evaluate_only(cfg, cp, rank, world, log)
-    run = start_run(cfg, cp, rank, world, log)
+        return evaluate_only(cfg, given, cp, rank, world, log)
+    run = start_run(cfg, given, cp, rank, world, log)
     if run.done >= cfg.max_steps:
         log(f"the run in {cfg.out_dir} is complete (step {run.done} of --max_steps {cfg.max_steps}); nothing to do. "
             "Raise --max_steps to train on, or use another --out_dir")
@@ -801,6 +845,7 @@ def train(cfg: TrainConfig, cp: int, rank: int, world: int, t_start: float, stop
     eval_log = open_eval_log(cfg, run.done) if cfg.eval_every else None
     if run.done == 0 and eval_due(cfg, 0):  # the model as it came, before any step
         evaluate(cfg, run.model, run.mcfg, run.model_path, run.positions, run.batches.group, 0, eval_log, log)
+    stop = StopRequest()  # from here on a signal ends the run with a checkpoint; before, it ends it at once
     last_save, saved, skipped, zero_norm = time.time(), run.done, 0, 0
     run.model.train()
     for step in range(run.done + 1, cfg.max_steps + 1):
@@ -947,7 +992,7 @@ def evaluate(cfg: TrainConfig, model, mcfg, model_path, positions, cp_group, ste
     return rec
 
 
-def evaluate_only(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> int:
+def evaluate_only(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, log) -> int:
     """--eval_only true: build --model (with --yarn_factor if given) sharded as for training, evaluate it once
     at --seq_len, add a row (step 0) to out_dir/eval.jsonl. No optimizer, no training data, no checkpoint."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -957,8 +1002,8 @@ def evaluate_only(cfg: TrainConfig, cp: int, rank: int, world: int, log) -> int:
     torch.manual_seed(cfg.seed)
     mesh = init_device_mesh(cfg.device, (dp, cp), mesh_dim_names=("dp", "cp"))
     attn = RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
-    model, mcfg, path, _ = build_model(cfg, init_device_mesh(cfg.device, (world,)), attn, getattr(torch, cfg.dtype),
-                                       device)
+    model, mcfg, path, _ = build_model(cfg, given, init_device_mesh(cfg.device, (world,)), attn,
+                                       getattr(torch, cfg.dtype), device, log)
     log(f"eval only: {cfg.model}, rope_scaling {mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
         f"{cfg.seq_len:,} tokens from {cfg.eval_data or cfg.data} ({cfg.eval_split})")
     positions = zigzag_positions(cfg.seq_len, rank % cp, cp, device=device)[None]   # [1, T/cp]

@@ -403,6 +403,10 @@ class _ReplayAttention(torch.autograd.Function):
         return *ctx.attn_fn.bwd(dout, q, k, v, out, lse), None, None, None
 
 
+def _replay_attention(q, k, v, out, lse, attn_fn):
+    return _ReplayAttention.apply(q, k, v, out, lse, attn_fn)
+
+
 class _RecomputedBlock(torch.autograd.Function):
     """A block that keeps only its input (and, with keep_attention, attention's output and lse), and
     recomputes the rest in backward: the story is told at the top of this section."""
@@ -432,9 +436,8 @@ class _RecomputedBlock(torch.autograd.Function):
             kept = [block.offload.load((block.index, name), dy.device) for name in ctx.names]
         kept = dict(zip(ctx.names, kept))
         attend = ctx.attn_fn
-        if "out" in kept:
-            def attend(q, k, v):
-                return _ReplayAttention.apply(q, k, v, kept["out"], kept["lse"], ctx.attn_fn)
+        if "out" in kept:  # the kept output stands in for attention's forward; its backward runs attn_fn.bwd
+            attend = functools.partial(_replay_attention, out=kept["out"], lse=kept["lse"], attn_fn=ctx.attn_fn)
         with torch.enable_grad():
             x = kept["x"].detach().requires_grad_()
             y = block.body(x, cos, sin, attend, mlp_value_is_read=False)

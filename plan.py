@@ -18,7 +18,6 @@ Its own file because train.py uses it before the first step (--fit auto), bench/
 measurements, and it reads on its own: "how much does a million-token step need?" has this one answer.
 """
 import json
-import math
 import os
 from dataclasses import dataclass, replace
 

@@ -15,7 +15,6 @@ checkpoint and exit code 75 (EXIT_PREEMPTED). A step whose loss or gradient norm
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -200,9 +199,15 @@ def init_distributed(cfg: TrainConfig):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(minutes=cfg.dist_timeout_min))
-    return dist.get_rank(), dist.get_world_size()
+    from torch.distributed.rendezvous import rendezvous
+    timeout = datetime.timedelta(minutes=cfg.dist_timeout_min)
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    # torchrun keeps one store across restarts of its workers: without a prefix per attempt, a restarted worker
+    # could read the addresses its killed predecessor published there and fail to connect (seen under gloo)
+    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timeout)
+    return rank, world
 
 
 def on_rank0(fn, group=None):
@@ -540,22 +545,6 @@ def clip_grad_norm_(params, max_norm):
 # Checkpoints, the HF export, checks before the first step
 # ---------------------------------------------------------------------------------------------
 
-def fingerprint(cfg: TrainConfig, mcfg, shapes: dict, model_path) -> dict:
-    """What a checkpoint must share with this run to be resumed by it: the model (config and every parameter's
-    full shape: world-independent), the data source and the tokenizer."""
-    spec = tokenizer_spec(cfg, model_path)
-    tok = spec
-    f = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
-    if os.path.isfile(f):
-        with open(f, "rb") as fh:
-            tok = "sha256:" + hashlib.sha256(fh.read()).hexdigest()
-    model = {k: v for k, v in dataclasses.asdict(mcfg).items() if k != "raw"}
-    return {"model": model, "shapes": hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest(),
-            "data": {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
-                                                  "seq_len", "seed")},
-            "tokenizer": tok}
-
-
 def all_finite(model) -> bool:
     """True on every rank if every rank's weight shards are finite."""
     from parallel import _local
@@ -578,57 +567,6 @@ def save_checkpoint(cfg: TrainConfig, run, step: int, log):
                     {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg)},
                     run.fingerprint, keep=cfg.keep_checkpoints)
     log(f"checkpoint: step {step} saved to {checkpoint.step_dir(root, step)} in {time.time() - t0:.1f} s")
-
-
-def find_resume_point(cfg: TrainConfig, fp: dict, log) -> str | None:
-    """Rank 0: the checkpoint to continue from (None: start fresh), after checking it belongs to this run."""
-    root = os.path.join(cfg.out_dir, "checkpoints")
-    if cfg.resume == "none":
-        earlier = [f for f in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(cfg.out_dir, f))]
-        if earlier and not cfg.overwrite:
-            raise SystemExit(f"error: --out_dir {cfg.out_dir} holds an earlier run ({', '.join(earlier)}); use "
-                             "--resume auto to continue it, another --out_dir, or --overwrite true to replace it")
-        if earlier:
-            checkpoint.remove_dir(root)
-        return None
-    if cfg.resume != "auto":
-        problem = checkpoint.verify(cfg.resume)
-        if problem:
-            raise SystemExit(f"error: --resume {cfg.resume}: {problem}")
-        path = cfg.resume
-    else:
-        checkpoint.clean_leftovers(root)
-        path = checkpoint.newest_valid(root, log)
-        if path is None:
-            return None
-    diff = checkpoint.fingerprint_mismatch(checkpoint.read_manifest(path)["fingerprint"], fp)
-    if diff:
-        raise SystemExit(f"error: checkpoint {path} belongs to another run: {diff}. Use the same model, data and "
-                         "tokenizer, or another --out_dir (or --resume none --overwrite true)")
-    return path
-
-
-def check_outputs(cfg: TrainConfig, n_params: int, log):
-    """Rank 0, before the first step: every output folder writable and not under a file, and free disk for a
-    checkpoint (weights + two AdamW states, in param_dtype) and the export."""
-    pbytes = getattr(torch, cfg.param_dtype).itemsize
-    needs = [(cfg.out_dir, "--out_dir", 3 * n_params * pbytes)]
-    if cfg.save_dir:
-        needs.append((cfg.save_dir, "--save_dir", n_params * pbytes))
-    for path, flag, size in needs:
-        parent = os.path.abspath(path)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise SystemExit(f"error: {flag} {path}: {parent} is a file, not a folder; choose another {flag}")
-        if not os.access(parent, os.W_OK):
-            raise SystemExit(f"error: {flag} {path}: {parent} is not writable; choose another {flag}")
-        free = shutil.disk_usage(parent).free
-        if free < size * 1.05:  # 5%: the manifests, trainer.json, safetensors headers
-            raise SystemExit(f"error: {flag} {path}: {free / 2**30:.2f} GiB free on its disk, but a "
-                             f"{'checkpoint' if flag == '--out_dir' else 'export'} needs about {size / 2**30:.2f} "
-                             f"GiB; free space or choose another {flag}")
-    log(f"outputs: a checkpoint is about {3 * n_params * pbytes / 2**30:.2f} GiB; {cfg.keep_checkpoints} kept")
 
 
 def export_hf(cfg: TrainConfig, model, mcfg, model_path, log):
@@ -658,36 +596,6 @@ def export_hf(cfg: TrainConfig, model, mcfg, model_path, log):
             raise
         log(f"exported HF weights to {cfg.save_dir}")
     on_rank0(write)
-
-
-class Metrics:
-    """out_dir/metrics.jsonl on rank 0: one JSON object per step. On resume the rows after the checkpoint's
-    step are cut, so the file holds exactly one row per step. A non-finite value is written as null, and the
-    row names it under "nonfinite" (bare NaN is not JSON)."""
-
-    def __init__(self, path: str, resumed_step: int):
-        rows = []
-        if resumed_step and os.path.exists(path):
-            with open(path) as fh:
-                for line in fh:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:  # a line cut short by a kill
-                        continue
-                    if row.get("step", 0) <= resumed_step:
-                        rows.append(line if line.endswith("\n") else line + "\n")
-        with open(path + ".tmp", "w") as fh:
-            fh.writelines(rows)
-        os.replace(path + ".tmp", path)
-        self.fh = open(path, "a")
-
-    def write(self, rec: dict):
-        bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
-        rec = {k: (None if k in bad else v) for k, v in rec.items()}
-        if bad:
-            rec["nonfinite"] = bad
-        self.fh.write(json.dumps(rec, allow_nan=False) + "\n")
-        self.fh.flush()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -773,7 +681,7 @@ class Run:
     flops: float             # useful FLOPs per step over all ranks
     fingerprint: dict
     done: int                # steps already trained (from the checkpoint resumed)
-    metrics: "Metrics | None"
+    metrics: "checkpoint.Metrics | None"
     mcfg: object
     model_path: str | None
 
@@ -803,8 +711,8 @@ def start_run(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, log)
     opt = make_optimizer(cfg, model)
     batches = Batches(cfg, mcfg, path, mesh.get_group("cp"), dp_rank, dp, device)
 
-    fp = fingerprint(cfg, mcfg, shapes, path)
-    resume_from, done = on_rank0(lambda: find_resume_point(cfg, fp, log)), 0
+    fp = checkpoint.fingerprint(cfg, mcfg, shapes, tokenizer_spec(cfg, path))
+    resume_from, done = on_rank0(lambda: checkpoint.resume_point(cfg, fp, log)), 0
     if resume_from:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         t0 = time.time()
@@ -815,7 +723,7 @@ def start_run(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, log)
         batches.load_state_dict(meta["data"])
         done = meta["step"]
         log(f"resumed from {resume_from} after step {done} (loaded in {time.time() - t0:.1f} s)")
-    on_rank0(lambda: check_outputs(cfg, n_params, log))
+    on_rank0(lambda: checkpoint.check_outputs(cfg, n_params, getattr(torch, cfg.param_dtype).itemsize, log))
     held = {}  # the log is opened (and cut back to the checkpoint's step) only now that the run is known to start
     if done < cfg.max_steps:
         on_rank0(lambda: held.update(metrics=open_log(cfg, done)))
@@ -897,12 +805,12 @@ def check_health(cfg: TrainConfig, step: int, skipped: int, zero_norm: int, log)
                          "checkpoint")
 
 
-def open_log(cfg: TrainConfig, done: int) -> "Metrics":
+def open_log(cfg: TrainConfig, done: int) -> "checkpoint.Metrics":
     """Rank 0: the run's config beside its metrics, written only once the run is known to start."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as fh:
         json.dump(dataclasses.asdict(cfg), fh, indent=2)
-    return Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), done)
+    return checkpoint.Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), done)
 
 
 def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log):
@@ -938,12 +846,12 @@ def eval_due(cfg: TrainConfig, step: int) -> bool:
     return cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
 
 
-def open_eval_log(cfg: TrainConfig, done: int) -> "Metrics | None":
+def open_eval_log(cfg: TrainConfig, done: int) -> "checkpoint.Metrics | None":
     """Rank 0: out_dir/eval.jsonl, cut back to the resumed step like metrics.jsonl (an --eval_only run passes
     done = sys.maxsize: it keeps every earlier row and adds its own)."""
     held = {}
     on_rank0(lambda: (os.makedirs(cfg.out_dir, exist_ok=True),
-                      held.update(log=Metrics(os.path.join(cfg.out_dir, "eval.jsonl"), done))))
+                      held.update(log=checkpoint.Metrics(os.path.join(cfg.out_dir, "eval.jsonl"), done))))
     return held.get("log")
 
 

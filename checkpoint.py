@@ -117,7 +117,14 @@ def save(root: str, step: int, state: dict, trainer: dict, fingerprint: dict, ke
     if error is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"saving checkpoint {final} failed ({_first_line(error)}); the earlier checkpoints are "
+        # A full disk does not always say so: torch's writer can fail first with "unexpected pos" on a short write
+        last = list_steps(root)
+        need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir(root, last[-1]))
+                   for f in fs) if last else 0
+        free = shutil.disk_usage(root).free
+        full = (f"; its disk has {free / 2**20:.1f} MiB free, less than the last checkpoint's {need / 2**20:.1f} "
+                "MiB: free space or move --out_dir") if need > free else ""
+        raise OSError(f"saving checkpoint {final} failed ({_first_line(error)}){full}; the earlier checkpoints are "
                       "intact") from None
 
 

@@ -210,6 +210,13 @@ def init_distributed(cfg: TrainConfig):
     return rank, world
 
 
+def say_error(msg: str):
+    """One line on stderr in one write: the ranks share the launcher's stderr, and print()'s separate write of
+    the newline let two ranks' lines run together."""
+    sys.stderr.write(msg.replace("\n", " ") + "\n")
+    sys.stderr.flush()
+
+
 def on_rank0(fn, group=None):
     """Run fn on rank 0 only and give every rank its result, or its error: the other ranks then stop too
     instead of waiting forever in the next collective."""
@@ -423,7 +430,7 @@ class Batches:
                 books = lambda start_book: data.iter_books(cfg.data, start_book=start_book, **kw)  # noqa: E731
                 self.loader = data.WindowLoader(books, tok, cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
             except Exception as e:  # the tokenizers library raises plain Exceptions for a file it cannot parse
-                print(f"error (rank {rank}): data: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
+                say_error(f"error (rank {rank}): data: {type(e).__name__}: {str(e).splitlines()[0]}")
         all_ok(self.cp_rank != 0 or self.loader is not None, "setting up the data", device)
 
     def _window(self):
@@ -434,7 +441,7 @@ class Batches:
             except StopIteration:
                 ended = True
             except Exception as e:  # every rank must hear of it, or the others hang in the next collective
-                print(f"error (rank {dist.get_rank()}): reading data: {type(e).__name__}: {e}", file=sys.stderr)
+                say_error(f"error (rank {dist.get_rank()}): reading data: {type(e).__name__}: {e}")
                 ok = False
         all_ok(ok, "reading data", self.device)
         if agree([ended], self.device)[0]:
@@ -645,7 +652,7 @@ def main(argv):
         if msg is None:
             raise
         # printed now, before the process group is torn down: the launcher may kill this rank once another exits
-        print(msg, file=sys.stderr, flush=True)
+        say_error(msg)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -253,7 +253,9 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_dis
     out = small_disk / "run"
     p = launch(2, out, "--max_steps", "4", "--ckpt_every", "2", "--keep_checkpoints", "2")
     lines = error_lines(p)
-    assert p.returncode != 0 and len(lines) == 2 and "No space left on device" in lines[0], lines
+    # the cause as the writer saw it ("No space left on device", or torch's "unexpected pos" on a short write),
+    # then the free space against what a checkpoint takes
+    assert p.returncode != 0 and len(lines) == 2 and "MiB free, less than the last checkpoint's" in lines[0], lines
     assert "step_0000004" in lines[0] and "earlier checkpoints are intact" in lines[0]
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000002"]  # no .tmp left behind
 

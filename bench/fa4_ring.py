@@ -23,12 +23,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import parallel  # noqa: E402
+from fa4_attn import rel  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
-
-
-def rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def main():

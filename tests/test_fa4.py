@@ -9,7 +9,6 @@ within 3x of the larger of two references that measure that floor at each shape:
 rounded to bf16, and cuDNN (PyTorch's kernel, the previous default).
 """
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import parallel
+from test_ring import _free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -160,12 +160,6 @@ def _rank_main(rank, world, port, out_dir):
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

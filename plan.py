@@ -21,16 +21,19 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-# Fitted by fit() to bench/results/train_steps_v6.json, train_steps_fp32_v6.json, longest_4b.json (one H200) and
-# x2_c2ce9fc.json (two H200s, cp 2), 11 runs: relative least squares. Errors on those runs (`python plan.py
-# --fit`): time within 6% (most within 3%), GPU memory within 6%.
-ATTN_TFLOPS = 522.0          # attention kernels, forward and backward (cuDNN; profile: 540-563)
-GEMM_TFLOPS = 663.0          # projections, MLP and the loss's matmuls (profile: ~700)
-OTHER_S_PER_MTOKEN_LAYER = 0.118   # seconds per layer per million tokens on the rank, for everything else
-WORK_BYTES_PER_TOKEN_HIDDEN = 27.9  # the working set of a block's recompute and backward, per token per hidden
-RING_BYTES_PER_TOKEN_QDIM = 10.11   # with cp > 1: the ring's fp32 output and dq accumulators (8) and K/V in flight
+# Fitted by fit() (`python plan.py --fit`) to the runs in FIT_FILES: relative least squares. Their errors are
+# printed by `python plan.py --fit`; runs outside the fit by `python plan.py --check` (bench/NOTES.md has both).
+ATTN_TFLOPS = dict(cudnn=523.9, fa4=620.1)  # attention kernels, forward and backward, by backend (kernel
+                                            # benchmark: cuDNN 539-555, FA4 621-622 TFLOP/s)
+GEMM_TFLOPS = 653.3          # projections, MLP and the loss's matmuls (profile: ~700)
+OTHER_S_PER_MTOKEN_LAYER = 0.108   # seconds per layer per million tokens on the rank, for everything else
+WORK_BYTES_PER_TOKEN_HIDDEN = 27.7  # the working set of a block's recompute and backward, per token per hidden
+RING_BYTES_PER_TOKEN_QDIM = 10.34   # with cp > 1: the ring's fp32 output and dq accumulators (8) and K/V in flight
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the runs above) and the memory the OS and page cache need
+FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json",
+             "train_steps_fa4_v7.json")
+CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check.json")
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,15 @@ class Shape:
     param_bytes: int = 4     # param_dtype: fp32 master weights by default
     act_bytes: int = 2       # compute dtype (bf16)
     loss_chunk: int = 2048
+    attn_backend: str = "cudnn"  # a key of ATTN_TFLOPS ("flash", never measured, is timed as cudnn)
 
     @classmethod
-    def of(cls, mcfg, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2, loss_chunk=2048):
+    def of(cls, mcfg, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2, loss_chunk=2048,
+           attn_backend="cudnn"):
         return cls(mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                    mcfg.num_key_value_heads, mcfg.head_dim, mcfg.vocab_size, mcfg.tie_word_embeddings, seq_len, cp,
-                   world, ranks_per_node, param_bytes, act_bytes, loss_chunk)
+                   world, ranks_per_node, param_bytes, act_bytes, loss_chunk,
+                   attn_backend if attn_backend in ATTN_TFLOPS else "cudnn")
 
     @property
     def tokens(self):  # per rank
@@ -98,8 +104,13 @@ def host_bytes(s: Shape, lv: Levers) -> float:
 
 
 def gpu_bytes(s: Shape, lv: Levers) -> float:
+    """The peak comes where the gradients meet the blocks' kept tensors. The backward frees a block's kept tensors
+    as it makes that block's gradients, so the two overlap by about one block, and the peak holds the larger of
+    the two, not their sum (for a run that keeps every block on the GPU: the kept tensors at the end of the
+    forward; for one that offloads every block: the gradients at the end of the backward)."""
     x, attn = kept_bytes(s)
-    state = 4 * s.param_bytes * s.params / s.world              # weights, gradients, AdamW's two moments
+    state = 3 * s.param_bytes * s.params / s.world              # weights and AdamW's two moments
+    grads = s.param_bytes * s.params / s.world
     loss = 4 * s.vocab * s.hidden + 6 * s.loss_chunk * s.vocab  # fp32 grad of the head; a chunk's logits
     work = WORK_BYTES_PER_TOKEN_HIDDEN * s.hidden * s.tokens
     if s.cp > 1:
@@ -108,7 +119,7 @@ def gpu_bytes(s: Shape, lv: Levers) -> float:
     mlp = 0
     if not lv.tiled_mlp and s.tokens > lv.mlp_tile:  # the four [T, intermediate] tensors whole, not a tile's
         mlp = 4 * (s.tokens - lv.mlp_tile) * s.intermediate * s.act_bytes
-    return state + loss + work + on_gpu + mlp
+    return state + max(grads, on_gpu) + loss + work + mlp
 
 
 def step_seconds(s: Shape, lv: Levers) -> float:
@@ -117,7 +128,7 @@ def step_seconds(s: Shape, lv: Levers) -> float:
     recomputed = (L - lv.keep_attention_layers) / L                     # blocks that run attention's forward again
     attention = attn_fwd * (1 + 2.5 + recomputed)                       # forward, backward (2.5x), recompute
     gemm = 8 * L * s.block_params * T + 6 * s.hidden * s.vocab * T     # fwd + bwd + the recompute's fwd; the head
-    return attention / (ATTN_TFLOPS * 1e12) + gemm / (GEMM_TFLOPS * 1e12) + OTHER_S_PER_MTOKEN_LAYER * L * T / 1e6
+    return attention / (ATTN_TFLOPS[s.attn_backend] * 1e12) + gemm / (GEMM_TFLOPS * 1e12) + OTHER_S_PER_MTOKEN_LAYER * L * T / 1e6
 
 
 def predict(s: Shape, lv: Levers) -> Cost:
@@ -189,47 +200,63 @@ def gpu_memory_gib() -> float:
 
 # --- fitting the constants -------------------------------------------------------------------------
 
-def measured_runs(root=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench")):
-    """(Shape, Levers, s/step, peak GiB) of the runs the constants are fitted to."""
+def measured_runs(files, root=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench")):
+    """[(Shape, Levers, s/step, peak GiB, name)] of the runs in bench/results/<files>. A run names its levers
+    (offload_layers, keep_attention_layers); older files without them offloaded every block and kept attention
+    unless their flags said otherwise."""
     import model as M
     runs = []
-    files = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json")
     for f in files:
-        for r in json.load(open(os.path.join(root, "results", f))):
+        path = os.path.join(root, "results", f)
+        if not os.path.exists(path):
+            continue
+        data = json.load(open(path))
+        for r in data["runs"] if isinstance(data, dict) else data:
             mcfg = M.Qwen3Config.from_pretrained(os.path.join(root, "configs", r["model"]))
-            fp32 = "float32" in r["extra"] or r.get("param_dtype") == "float32"
+            extra = r.get("extra", "")
+            fp32 = "float32" in extra or r.get("param_dtype") == "float32"
+            backend = r.get("backend") or ("fa4" if "--attn_backend fa4" in extra else "cudnn")
             cp = r.get("cp", 1)
-            s = Shape.of(mcfg, r["seq_len"], cp, r.get("world", 1), 1, param_bytes=4 if fp32 else 2)
-            keep = 0 if "keep_attention false" in r["extra"] else s.layers
-            runs.append((s, Levers(s.layers, keep), r["s_per_step"], r["peak_mem_gib"], f"{r['model']} "
-                         f"{r['seq_len']} cp{cp}" + (" fp32" if fp32 else "") + ("" if keep else " no-keep")))
+            s = Shape.of(mcfg, r["seq_len"], cp, r.get("world", cp), 1, param_bytes=4 if fp32 else 2,
+                         attn_backend=backend)
+            lv = Levers(r.get("offload_layers", s.layers),
+                        r.get("keep_attention_layers", 0 if "keep_attention false" in extra else s.layers))
+            name = (f"{r['model']} {r['seq_len']} cp{cp}{' dp' + str(s.world // cp) if s.world > cp else ''} "
+                    f"{'fp32' if fp32 else 'bf16'} {backend} off {lv.offload_layers} keep {lv.keep_attention_layers}")
+            runs.append((s, lv, r["s_per_step"], r["peak_mem_gib"], name))
     return runs
 
 
 def fit():
-    """Relative least squares of the time and memory constants; prints them and each run's error."""
+    """Relative least squares of the time and memory constants on FIT_FILES; prints them and each run's error."""
     import numpy as np
-    runs = measured_runs()
+    runs = measured_runs(FIT_FILES)
+    backends = sorted({s.attn_backend for s, *_ in runs})
     A, B, z = [], [], []
     for s, lv, t, mem, _ in runs:
         L, T = s.layers, s.tokens
         attn = 2 * s.seq_len ** 2 * s.heads * s.head_dim * L / s.cp * (3.5 + (L - lv.keep_attention_layers) / L)
         gemm = 8 * L * s.block_params * T + 6 * s.hidden * s.vocab * T
-        A.append(np.array([attn / 1e12, gemm / 1e12, L * T / 1e6]) / t)
-        known = 4 * s.param_bytes * s.params / s.world + 4 * s.vocab * s.hidden + 6 * s.loss_chunk * s.vocab
-        B.append(np.array([T * s.hidden, T * s.heads * s.head_dim * (s.cp > 1)]) / (mem * 2**30))
+        A.append(np.array([attn / 1e12 * (b == s.attn_backend) for b in backends] + [gemm / 1e12, L * T / 1e6]) / t)
+        per_constant = np.array([T * s.hidden, T * s.heads * s.head_dim * (s.cp > 1)])
+        known = gpu_bytes(s, lv) - per_constant @ [WORK_BYTES_PER_TOKEN_HIDDEN, RING_BYTES_PER_TOKEN_QDIM]
+        B.append(per_constant / (mem * 2**30))
         z.append(1 - known / (mem * 2**30))
     x = np.linalg.lstsq(np.array(A), np.ones(len(A)), rcond=None)[0]
     w = np.linalg.lstsq(np.array(B), np.array(z), rcond=None)[0]
-    print(f"ATTN_TFLOPS = {1 / x[0]:.1f}\nGEMM_TFLOPS = {1 / x[1]:.1f}\nOTHER_S_PER_MTOKEN_LAYER = {x[2]:.3f}\n"
-          f"WORK_BYTES_PER_TOKEN_HIDDEN = {w[0]:.1f}\nRING_BYTES_PER_TOKEN_QDIM = {w[1]:.2f}")
+    fitted = dict(ATTN_TFLOPS={**ATTN_TFLOPS, **{b: round(1 / float(x[i]), 1) for i, b in enumerate(backends)}},
+                  GEMM_TFLOPS=round(1 / float(x[-2]), 1), OTHER_S_PER_MTOKEN_LAYER=round(float(x[-1]), 3),
+                  WORK_BYTES_PER_TOKEN_HIDDEN=round(float(w[0]), 1), RING_BYTES_PER_TOKEN_QDIM=round(float(w[1]), 2))
+    for name, value in fitted.items():
+        print(f"{name} = {value}")
+    globals().update(fitted)  # the errors below with the new constants (copy them into this file to keep them)
     return errors(runs)
 
 
-def errors(runs=None):
+def errors(runs):
     """[(run, relative time error, relative GPU memory error)] with the constants above."""
     out = []
-    for s, lv, t, mem, name in runs or measured_runs():
+    for s, lv, t, mem, name in runs:
         c = predict(s, lv)
         out.append((name, c.step_s / t - 1, c.gpu_gib / mem - 1))
     return out
@@ -238,7 +265,8 @@ def errors(runs=None):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--fit", action="store_true")
+    ap.add_argument("--fit", action="store_true", help="re-fit the constants to FIT_FILES, print the errors")
+    ap.add_argument("--check", action="store_true", help="the errors on CHECK_FILES (runs outside the fit)")
     ap.add_argument("--model", default="bench/configs/qwen3-8b")
     ap.add_argument("--seq_len", type=int, default=1_048_576)
     ap.add_argument("--nproc", type=int, default=8, help="GPUs per node")
@@ -248,9 +276,9 @@ if __name__ == "__main__":
     ap.add_argument("--gpu_mem_gib", type=float, default=74.5, help="per GPU (80 GB = 74.5 GiB)")
     ap.add_argument("--host_mem_gib", type=float, default=1907, help="per node (2 TB = 1907 GiB)")
     a = ap.parse_args()
-    if a.fit:
-        for name, dt, dm in fit():
-            print(f"{name:<28} time {dt:+6.1%}   GPU memory {dm:+6.1%}")
+    if a.fit or a.check:
+        for name, dt, dm in fit() if a.fit else errors(measured_runs(CHECK_FILES)):
+            print(f"{name:<52} time {dt:+6.1%}   GPU memory {dm:+6.1%}")
     else:
         import model as M
         world = a.nproc * a.nodes

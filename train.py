@@ -328,10 +328,12 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, dtype, device, log)
 
 def plan_shape(cfg: TrainConfig, mcfg, world: int):
     import plan
+    from parallel import resolve_backend
     cp = cfg.cp or world
     return plan.Shape.of(mcfg, cfg.seq_len, cp, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
-                         act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk)
+                         act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
+                         attn_backend=resolve_backend(cfg.attn_backend))
 
 
 def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):

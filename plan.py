@@ -23,17 +23,17 @@ from dataclasses import dataclass, replace
 
 # Fitted by fit() (`python plan.py --fit`) to the runs in FIT_FILES: relative least squares. Their errors are
 # printed by `python plan.py --fit`; runs outside the fit by `python plan.py --check` (bench/NOTES.md has both).
-ATTN_TFLOPS = dict(cudnn=523.9, fa4=620.1)  # attention kernels, forward and backward, by backend (kernel
+ATTN_TFLOPS = dict(cudnn=527.6, fa4=610.6)  # attention kernels, forward and backward, by backend (kernel
                                             # benchmark: cuDNN 539-555, FA4 621-622 TFLOP/s)
-GEMM_TFLOPS = 653.3          # projections, MLP and the loss's matmuls (profile: ~700)
-OTHER_S_PER_MTOKEN_LAYER = 0.108   # seconds per layer per million tokens on the rank, for everything else
-WORK_BYTES_PER_TOKEN_HIDDEN = 27.7  # the working set of a block's recompute and backward, per token per hidden
-RING_BYTES_PER_TOKEN_QDIM = 10.34   # with cp > 1: the ring's fp32 output and dq accumulators (8) and K/V in flight
+GEMM_TFLOPS = 642.0          # projections, MLP and the loss's matmuls (profile: ~700)
+OTHER_S_PER_MTOKEN_LAYER = 0.099   # seconds per layer per million tokens on the rank, for everything else
+WORK_BYTES_PER_TOKEN_HIDDEN = 28.5  # the working set of a block's recompute and backward, per token per hidden
+RING_BYTES_PER_TOKEN_QDIM = 9.16   # with cp > 1: the ring's fp32 output and dq accumulators (8) and K/V in flight
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the runs above) and the memory the OS and page cache need
 FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json",
-             "train_steps_fa4_v7.json")
-CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check.json")
+             "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json")
+CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check_8b_524k.json")  # never fitted: see check()
 
 
 @dataclass(frozen=True)
@@ -159,15 +159,19 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
                 break  # more offload only needs more host memory
     nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1])
     c = predict(s, nearest)
+    def fits(x: Shape):
+        return gpu_bytes(x, nearest) <= gpu_cap and host_bytes(x, nearest) <= host_cap
     need_cp = next((cp for cp in (2, 4, 8, 16, 32, 64) if cp > s.cp and s.seq_len % (2 * cp) == 0 and
-                    gpu_bytes(replace(s, cp=cp, world=s.world * cp // s.cp), nearest) <= gpu_cap), None)
+                    fits(replace(s, cp=cp, world=s.world * cp // s.cp))), None)
+    gpu_short = gpu_bytes(s, nearest) > gpu_cap
     raise NoFit(f"no set of levers fits: the nearest (offload_layers {nearest.offload_layers}, keep_attention_layers "
                 f"{nearest.keep_attention_layers}) needs {c.gpu_gib:.1f} GiB of GPU memory per rank (plan limit "
                 f"{gpu_cap / 2**30:.1f} of {gpu_gib:.1f}) and {c.host_gib * s.ranks_per_node:.0f} GiB of host memory "
                 f"per node (limit {host_cap * s.ranks_per_node / 2**30:.0f} of {host_gib_per_node:.0f}). To fit: "
                 + (f"--cp {need_cp} (more GPUs per sequence), " if need_cp else "")
-                + f"a shorter --seq_len, more GPUs, or --param_dtype bfloat16 (state {4 * s.param_bytes} -> 8 bytes "
-                "per parameter)")
+                + ("a shorter --seq_len, more GPUs" if gpu_short else "a shorter --seq_len, more host memory")
+                + (f", or --param_dtype bfloat16 (state {4 * s.param_bytes} -> 8 bytes per parameter)"
+                   if gpu_short and s.param_bytes == 4 else ""))
 
 
 def describe(lv: Levers, c: Cost, s: Shape) -> str:
@@ -227,10 +231,9 @@ def measured_runs(files, root=os.path.join(os.path.dirname(os.path.abspath(__fil
     return runs
 
 
-def fit():
-    """Relative least squares of the time and memory constants on FIT_FILES; prints them and each run's error."""
+def solve(runs) -> dict:
+    """The constants that fit `runs` best: relative least squares, time and memory apart."""
     import numpy as np
-    runs = measured_runs(FIT_FILES)
     backends = sorted({s.attn_backend for s, *_ in runs})
     A, B, z = [], [], []
     for s, lv, t, mem, _ in runs:
@@ -244,13 +247,36 @@ def fit():
         z.append(1 - known / (mem * 2**30))
     x = np.linalg.lstsq(np.array(A), np.ones(len(A)), rcond=None)[0]
     w = np.linalg.lstsq(np.array(B), np.array(z), rcond=None)[0]
-    fitted = dict(ATTN_TFLOPS={**ATTN_TFLOPS, **{b: round(1 / float(x[i]), 1) for i, b in enumerate(backends)}},
-                  GEMM_TFLOPS=round(1 / float(x[-2]), 1), OTHER_S_PER_MTOKEN_LAYER=round(float(x[-1]), 3),
-                  WORK_BYTES_PER_TOKEN_HIDDEN=round(float(w[0]), 1), RING_BYTES_PER_TOKEN_QDIM=round(float(w[1]), 2))
+    return dict(ATTN_TFLOPS={**ATTN_TFLOPS, **{b: round(1 / float(x[i]), 1) for i, b in enumerate(backends)}},
+                GEMM_TFLOPS=round(1 / float(x[-2]), 1), OTHER_S_PER_MTOKEN_LAYER=round(float(x[-1]), 3),
+                WORK_BYTES_PER_TOKEN_HIDDEN=round(float(w[0]), 1), RING_BYTES_PER_TOKEN_QDIM=round(float(w[1]), 2))
+
+
+def errors_with(constants: dict, runs):
+    """errors(runs) as if `constants` were the ones at the top of this file."""
+    saved = {name: globals()[name] for name in constants}
+    globals().update(constants)
+    try:
+        return errors(runs)
+    finally:
+        globals().update(saved)
+
+
+def fit():
+    """Fit the constants to FIT_FILES; print them (copy them above to keep them) and each run's error."""
+    runs = measured_runs(FIT_FILES)
+    fitted = solve(runs)
     for name, value in fitted.items():
         print(f"{name} = {value}")
-    globals().update(fitted)  # the errors below with the new constants (copy them into this file to keep them)
-    return errors(runs)
+    return errors_with(fitted, runs)
+
+
+def check():
+    """Errors out of sample: each run of FIT_FILES predicted by the constants fitted to all the others (leave one
+    out), then the runs of CHECK_FILES, which no fit has seen, by the constants above."""
+    runs = measured_runs(FIT_FILES)
+    out = [errors_with(solve(runs[:i] + runs[i + 1:]), [run])[0] for i, run in enumerate(runs)]
+    return out + [(name + " *", dt, dm) for name, dt, dm in errors(measured_runs(CHECK_FILES))]
 
 
 def errors(runs):
@@ -266,7 +292,7 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--fit", action="store_true", help="re-fit the constants to FIT_FILES, print the errors")
-    ap.add_argument("--check", action="store_true", help="the errors on CHECK_FILES (runs outside the fit)")
+    ap.add_argument("--check", action="store_true", help="out-of-sample errors: leave-one-out and CHECK_FILES")
     ap.add_argument("--model", default="bench/configs/qwen3-8b")
     ap.add_argument("--seq_len", type=int, default=1_048_576)
     ap.add_argument("--nproc", type=int, default=8, help="GPUs per node")
@@ -277,7 +303,9 @@ if __name__ == "__main__":
     ap.add_argument("--host_mem_gib", type=float, default=1907, help="per node (2 TB = 1907 GiB)")
     a = ap.parse_args()
     if a.fit or a.check:
-        for name, dt, dm in fit() if a.fit else errors(measured_runs(CHECK_FILES)):
+        if a.check:
+            print("each run predicted by constants fitted without it; * = a run outside the fit")
+        for name, dt, dm in fit() if a.fit else check():
             print(f"{name:<52} time {dt:+6.1%}   GPU memory {dm:+6.1%}")
     else:
         import model as M

@@ -299,6 +299,7 @@ if __name__ == "__main__":
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--cp", type=int, default=0, help="0: all GPUs")
     ap.add_argument("--param_dtype", default="float32")
+    ap.add_argument("--attn_backend", default="cudnn", choices=sorted(ATTN_TFLOPS), help="the kernels timed")
     ap.add_argument("--gpu_mem_gib", type=float, default=74.5, help="per GPU (80 GB = 74.5 GiB)")
     ap.add_argument("--host_mem_gib", type=float, default=1907, help="per node (2 TB = 1907 GiB)")
     a = ap.parse_args()
@@ -311,7 +312,7 @@ if __name__ == "__main__":
         import model as M
         world = a.nproc * a.nodes
         s = Shape.of(M.Qwen3Config.from_pretrained(a.model), a.seq_len, a.cp or world, world, a.nproc,
-                     param_bytes=4 if a.param_dtype == "float32" else 2)
+                     param_bytes=4 if a.param_dtype == "float32" else 2, attn_backend=a.attn_backend)
         try:
             lv, c = choose(s, a.gpu_mem_gib, a.host_mem_gib)
             print(describe(lv, c, s))

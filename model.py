@@ -513,7 +513,10 @@ class HostOffload:
         return x
 
     def host_bytes(self):
-        return sum(b.numel() * b.element_size() for b in self.host.values())
+        """Host memory the buffers take: pinned ones as torch's pinned allocator holds them (a power of two)."""
+        import plan
+        return sum((plan.pinned_size if b.is_pinned() else int)(b.numel() * b.element_size())
+                   for b in self.host.values())
 
 
 # --- Functions that keep less than autograd would --------------------------------------------

@@ -4,7 +4,8 @@
     python plan.py --fit         # re-fit the constants below to the runs in bench/results/ and print the errors
 
 A plain arithmetic model, one function per quantity, with four constants fitted to measured runs:
-- pinned host memory: exact (the tensors the offloaded blocks keep: their input, and attention's output + lse);
+- pinned host memory: exact (the tensors the offloaded blocks keep: their input, and attention's output + lse,
+  each rounded up to a power of two as torch's pinned allocator rounds it);
 - peak GPU memory: FSDP2 state (weights, gradients, AdamW's two moments, each 1/world of the model in
   param_dtype) + the chunked loss's buffers + a working set per token (and the ring's buffers when cp > 1) +
   what stays on the GPU for blocks that are not offloaded;
@@ -98,9 +99,20 @@ def kept_bytes(s: Shape):
     return s.tokens * s.hidden * s.act_bytes, s.tokens * s.heads * (s.head_dim * s.act_bytes + 4)
 
 
-def host_bytes(s: Shape, lv: Levers) -> float:
-    x, attn = kept_bytes(s)
-    return lv.offload_layers * x + min(lv.keep_attention_layers, lv.offload_layers) * attn
+def pinned_size(nbytes: int) -> int:
+    """What torch's pinned-memory allocator (CachingHostAllocator) takes for a buffer: it rounds every allocation
+    up to a power of two. At Qwen3-4B's hidden 2560 a block input of 0.625 GiB takes 1 GiB; at the 8B's 4096 and
+    power-of-two lengths nothing is lost."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def host_bytes(s: Shape, lv: Levers, pinned: bool = True) -> float:
+    """Pinned host memory per rank: the offloaded blocks' input, and attention's output and fp32 lse where they
+    also keep attention; each a buffer of its own, as the allocator holds it (pinned=False: the tensors' bytes)."""
+    size = pinned_size if pinned else int
+    x = s.tokens * s.hidden * s.act_bytes                        # the block's input
+    out, lse = s.tokens * s.heads * s.head_dim * s.act_bytes, s.tokens * s.heads * 4
+    return lv.offload_layers * size(x) + min(lv.keep_attention_layers, lv.offload_layers) * (size(out) + size(lse))
 
 
 def gpu_bytes(s: Shape, lv: Levers) -> float:

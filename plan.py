@@ -2,15 +2,16 @@
 
     python plan.py --model bench/configs/qwen3-8b --seq_len 1048576 --nproc 8 --gpu_mem_gib 74.5 --host_mem_gib 1907
     python plan.py --fit         # re-fit the constants below to the runs in bench/results/ and print the errors
+    python plan.py --check       # the errors out of sample (leave one out, and runs no fit has seen)
 
-A plain arithmetic model, one function per quantity, with four constants fitted to measured runs:
+A plain arithmetic model, one function per quantity, with a few constants fitted to measured runs:
 - pinned host memory: exact (the tensors the offloaded blocks keep: their input, and attention's output + lse,
   each rounded up to a power of two as torch's pinned allocator rounds it);
-- peak GPU memory: FSDP2 state (weights, gradients, AdamW's two moments, each 1/world of the model in
-  param_dtype) + the chunked loss's buffers + a working set per token (and the ring's buffers when cp > 1) +
-  what stays on the GPU for blocks that are not offloaded;
-- step time: attention FLOPs at a measured rate + GEMM FLOPs at a measured rate + a per-token-per-layer term for
-  everything else (norms, RoPE, SwiGLU, copies). The ring's overhead is left out: it measured 97-103% of the
+- peak GPU memory: FSDP2 state (weights and AdamW's two moments, each 1/world of the model in param_dtype) +
+  the larger of the gradients and what stays on the GPU for blocks that are not offloaded + the chunked loss's
+  buffers + a working set per token (and the ring's buffers when cp > 1);
+- step time: attention FLOPs at a measured rate per kernel backend + GEMM FLOPs at a measured rate + a
+  per-token-per-layer term for everything else (norms, RoPE, SwiGLU, copies). The ring's overhead is left out: it measured 97-103% of the
   ideal split (bench/NOTES.md).
 Levers per block: the first `offload_layers` blocks keep their tensors in pinned host memory, the first
 `keep_attention_layers` keep attention's output + lse (so their backward skips attention's forward).
@@ -140,7 +141,8 @@ def step_seconds(s: Shape, lv: Levers) -> float:
     recomputed = (L - lv.keep_attention_layers) / L                     # blocks that run attention's forward again
     attention = attn_fwd * (1 + 2.5 + recomputed)                       # forward, backward (2.5x), recompute
     gemm = 8 * L * s.block_params * T + 6 * s.hidden * s.vocab * T     # fwd + bwd + the recompute's fwd; the head
-    return attention / (ATTN_TFLOPS[s.attn_backend] * 1e12) + gemm / (GEMM_TFLOPS * 1e12) + OTHER_S_PER_MTOKEN_LAYER * L * T / 1e6
+    return (attention / (ATTN_TFLOPS[s.attn_backend] * 1e12) + gemm / (GEMM_TFLOPS * 1e12)
+            + OTHER_S_PER_MTOKEN_LAYER * L * T / 1e6)
 
 
 def predict(s: Shape, lv: Levers) -> Cost:

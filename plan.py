@@ -11,8 +11,8 @@ A plain arithmetic model, one function per quantity, with a few constants fitted
   the larger of the gradients and what stays on the GPU for blocks that are not offloaded + the chunked loss's
   buffers + a working set per token (and the ring's buffers when cp > 1);
 - step time: attention FLOPs at a measured rate per kernel backend + GEMM FLOPs at a measured rate + a
-  per-token-per-layer term for everything else (norms, RoPE, SwiGLU, copies). The ring's overhead is left out: it measured 97-103% of the
-  ideal split (bench/NOTES.md).
+  per-token-per-layer term for everything else (norms, RoPE, SwiGLU, copies). The ring's overhead is left out:
+  it measured 97-103% of the ideal split (bench/NOTES.md).
 Levers per block: the first `offload_layers` blocks keep their tensors in pinned host memory, the first
 `keep_attention_layers` keep attention's output + lse (so their backward skips attention's forward).
 

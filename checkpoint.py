@@ -221,7 +221,9 @@ def fingerprint(cfg, mcfg, shapes: dict, tokenizer: str) -> dict:
     if os.path.isfile(f):
         with open(f, "rb") as fh:
             tok = "sha256:" + hashlib.sha256(fh.read()).hexdigest()
-    model = {k: v for k, v in dataclasses.asdict(mcfg).items() if k != "raw"}
+    # max_position_embeddings is left out: it is a label (RoPE is computed for the positions present), and
+    # checkpoints from before YaRN set it to factor x original must still resume
+    model = {k: v for k, v in dataclasses.asdict(mcfg).items() if k not in ("raw", "max_position_embeddings")}
     return {"model": model, "shapes": hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest(),
             "data": {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
                                                   "seq_len", "seed")},

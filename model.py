@@ -130,12 +130,14 @@ class Qwen3Config:
 
     def yarn_scaled(self, factor: float, original_max_position_embeddings: int) -> "Qwen3Config":
         """A copy with YaRN at `factor` over `original_max_position_embeddings` positions (given explicitly,
-        they win over the checkpoint's); theta and the checkpoint's beta_fast/beta_slow stay."""
+        they win over the checkpoint's); theta and the checkpoint's beta_fast/beta_slow stay. The context it is
+        for, factor x original, becomes max_position_embeddings, so that an export's config is consistent:
+        transformers warns when max_position_embeddings / original differs from the factor."""
         old = self.rope_scaling or {}
         keep = {k: old[k] for k in ("beta_fast", "beta_slow") if k in old}
-        return dataclasses.replace(self, rope_scaling={
-            "factor": float(factor), "original_max_position_embeddings": int(original_max_position_embeddings),
-            **keep})
+        original = int(original_max_position_embeddings)
+        return dataclasses.replace(self, max_position_embeddings=round(factor * original), rope_scaling={
+            "factor": float(factor), "original_max_position_embeddings": original, **keep})
 
     def to_dict(self) -> dict:
         """config.json for save_pretrained: the original fields, with the RoPE this run trained with."""

@@ -381,8 +381,10 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path):
     """The independent reference: transformers' own Qwen3 on our saved folder gives our logits."""
     write_checkpoint(tmp_path / "a", "old")
     m = Qwen3.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
-    m.cfg = m.cfg.yarn_scaled(8.0, 256)  # a run's YaRN settings must travel with the weights
+    m.cfg = m.cfg.yarn_scaled(16.0, 256)  # a run's YaRN settings must travel with the weights
     m.save_pretrained(str(tmp_path / "b"))
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert saved["rope_scaling"]["factor"] == 16.0 and saved["max_position_embeddings"] == 16 * 256  # consistent
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     ids = torch.randint(0, 97, (1, 300))

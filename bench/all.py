@@ -73,6 +73,17 @@ def summary(d):
             ref = f"{ref[0]:8.2f}{ref[1]:9.1f}" if ref else f"{'-':>8}{'-':>9}"  # the reference was not measured
             print(f"  {r['model']:<12}{r['seq_len']:>9}{'':<21}{r['s_per_step']:8.2f}{r['tokens_per_s']:9,.0f}"
                   f"{r['mfu']:7.1%}{r['peak_mem_gib']:10.1f}{r['host_offload_gib']:10.1f}{ref}")
+    trl = [r for r in (load(d, f"reference_trl_{m}_262k") for m in ("1.7b", "8b")) if r]
+    if trl:  # bench/reference_trl.py and train.py on the same two GPUs
+        print(f"\ntwo GPUs, 262,144 tokens, cp 2, fp32 state{'':<20}{'s/step':>8}{'peak GiB':>10}")
+        for r in trl:
+            print(f"  TRL recipe    {os.path.basename(r['model']):<12}{'':<27}{r['s_per_step']:8.2f}"
+                  f"{r['peak_mem_gib']:10.1f}")
+        for r in (load(d, "plan_check") or []) + (load(d, "x2_c2ce9fc") or []):
+            if r["seq_len"] == 262144 and r.get("cp") == 2:
+                how = r.get("backend", "cudnn") + (f", {r['offload_layers']} blocks offloaded"
+                                                   if "offload_layers" in r else ", all offloaded")
+                print(f"  train.py      {r['model']:<12}{how:<27}{r['s_per_step']:8.2f}{r['peak_mem_gib']:10.1f}")
     ladder = load(d, "ladder")
     if ladder:
         seqs = sorted({r["seq_len"] for r in ladder})

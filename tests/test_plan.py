@@ -161,3 +161,26 @@ def test_fit_auto_in_train_py(tmp_path):
     p = run_train(tmp_path, "--gpu_mem_gib", "0.0001", "--host_mem_gib", "100")
     lines = [line for line in p.stderr.splitlines() if line.startswith("error")]
     assert p.returncode != 0 and len(lines) == 1 and "no set of levers fits" in lines[0], p.stderr[-2000:]
+
+
+def test_plan_check_puts_the_prediction_beside_the_run(tmp_path):
+    """bench/plan_check.py reads train.py's plan line and metrics: the levers and predictions it records are the
+    planner's, the measurements the run's; a second run of the same configuration replaces the first."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(Qwen3Config.tiny().to_dict()))
+    gpu = 1.0
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "plan_check.py"), "--nproc", "1", "--model", str(folder),
+           "--seq_len", "2048", "--steps", "2", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "pc.json"),
+           "--extra", f"--device cpu --dtype float32 --yarn_factor 0 --loss_chunk 512 --gpu_mem_gib {gpu} "
+                      "--host_mem_gib 100"]
+    for _ in range(2):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (r,) = json.load(open(tmp_path / "pc.json"))
+    s = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512)
+    lv, cost = plan.choose(s, gpu, 100)
+    assert (r["offload_layers"], r["keep_attention_layers"]) == (lv.offload_layers, lv.keep_attention_layers)
+    assert r["predicted_gpu_gib"] == round(cost.gpu_gib, 1) and r["predicted_host_gib"] == round(cost.host_gib, 1)
+    assert r["steps"] == 2 and len(r["losses"]) == 2 and r["backend"] == "cpu" and r["param_dtype"] == "float32"
+    assert r["s_per_step"] > 0 and r["peak_mem_gib"] > 0 and r["time_to_first_step_s"] > 0

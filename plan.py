@@ -96,8 +96,9 @@ class Cost:
 
 
 def kept_bytes(s: Shape):
-    """Per block: (its input, attention's output + fp32 lse), for this rank's tokens."""
-    return s.tokens * s.hidden * s.act_bytes, s.tokens * s.heads * (s.head_dim * s.act_bytes + 4)
+    """Per block, for this rank's tokens: (its input, attention's output, attention's fp32 lse), each a tensor."""
+    return (s.tokens * s.hidden * s.act_bytes, s.tokens * s.heads * s.head_dim * s.act_bytes,
+            s.tokens * s.heads * 4)
 
 
 def pinned_size(nbytes: int) -> int:
@@ -111,8 +112,7 @@ def host_bytes(s: Shape, lv: Levers, pinned: bool = True) -> float:
     """Pinned host memory per rank: the offloaded blocks' input, and attention's output and fp32 lse where they
     also keep attention; each a buffer of its own, as the allocator holds it (pinned=False: the tensors' bytes)."""
     size = pinned_size if pinned else int
-    x = s.tokens * s.hidden * s.act_bytes                        # the block's input
-    out, lse = s.tokens * s.heads * s.head_dim * s.act_bytes, s.tokens * s.heads * 4
+    x, out, lse = kept_bytes(s)
     return lv.offload_layers * size(x) + min(lv.keep_attention_layers, lv.offload_layers) * (size(out) + size(lse))
 
 
@@ -121,7 +121,8 @@ def gpu_bytes(s: Shape, lv: Levers) -> float:
     as it makes that block's gradients, so the two overlap by about one block, and the peak holds the larger of
     the two, not their sum (for a run that keeps every block on the GPU: the kept tensors at the end of the
     forward; for one that offloads every block: the gradients at the end of the backward)."""
-    x, attn = kept_bytes(s)
+    x, out, lse = kept_bytes(s)
+    attn = out + lse
     state = 3 * s.param_bytes * s.params / s.world              # weights and AdamW's two moments
     grads = s.param_bytes * s.params / s.world
     loss = 4 * s.vocab * s.hidden + 6 * s.loss_chunk * s.vocab  # fp32 grad of the head; a chunk's logits

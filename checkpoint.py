@@ -1,31 +1,26 @@
-"""The run's folder on disk: resumable checkpoints that are either complete or absent, never half-written; which
-one a relaunch continues from; room for the outputs; the JSONL logs cut back to the step resumed.
+"""Checkpoints that are either complete or absent, never half-written.
 
-    out_dir/checkpoints/step_0000120/   model + optimizer shards (torch.distributed.checkpoint: a file per rank,
-                                        reloadable on any world size), trainer.json (step, data position, config),
-                                        manifest.json (every file and its size, and the run's fingerprint)
-    out_dir/checkpoints/latest          the name of the newest complete checkpoint (for people and scripts)
+    checkpoints/step_0000120/   model + optimizer shards (torch.distributed.checkpoint: a file per rank, reloadable
+                                on any world size), trainer.json (step, data position, config), manifest.json (every
+                                file and its size, and the run's fingerprint)
+    checkpoints/latest          the name of the newest complete checkpoint (for people and scripts)
 
 A checkpoint is written into step_N.tmp/, its files fsynced, the manifest written last, then the folder is
 renamed to step_N/ and `latest` replaced (write, fsync, rename: each step atomic on a POSIX file system). A
 crash at any point leaves the previous checkpoints as they were. Old checkpoints are deleted only after the new
-one is published, and renamed to *.trash before deletion, so a half-deleted folder never has a checkpoint's name.
-On resume the newest checkpoint whose files match its manifest is used; others are skipped with a message.
+one is published, and renamed to *.trash first, so a half-deleted folder never has a checkpoint's name.
 
-This file knows about files, not the model: train.py passes the state dicts, the trainer state and the
-fingerprint (what must match for a checkpoint to belong to this run). Its own file because train.py is the loop,
-and this is what a reader of "how does a run survive a kill?" needs, in one place. Exercised by
-tests/test_long_runs.py (faults injected into real runs).
+This file knows about files, not the model or the trainer's flags: the caller passes the state dicts, the
+trainer state and a fingerprint (what must match for a checkpoint to belong to a run). Which checkpoint a run
+continues from is rundir.py's policy. Exercised by tests/test_long_runs.py (faults injected into real runs).
 """
-import dataclasses
-import hashlib
 import json
-import math
 import os
 import re
 import shutil
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -84,7 +79,6 @@ def save(root: str, step: int, state: dict, trainer: dict, fingerprint: dict, ke
     """Collective: every rank calls it with its own shards in `state`. Publishes root/step_N and prunes all but
     the newest `keep` checkpoints. An error (a full disk, say) is raised on every rank, and the half-written
     folder is removed; the earlier checkpoints are untouched."""
-    import torch.distributed.checkpoint as dcp
     rank, final = dist.get_rank(), step_dir(root, step)
     tmp = final + ".tmp"
     error = None
@@ -202,110 +196,9 @@ def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
 
 def load(path: str, state: dict) -> dict:
     """Collective: fills `state` (this rank's shards, resharded from any world size) from path; -> trainer.json."""
-    import torch.distributed.checkpoint as dcp
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:
         raise OSError(f"loading checkpoint {path} failed ({_first_line(e)})") from None
     with open(os.path.join(path, "trainer.json")) as fh:
         return json.load(fh)
-
-
-# --- the run's folder: which checkpoint to continue from, room for outputs, the JSONL logs ----------------
-
-def fingerprint(cfg, mcfg, shapes: dict, tokenizer: str) -> dict:
-    """What a checkpoint must share with this run to be resumed by it: the model (config and every parameter's
-    full shape: world-independent), the data source and the tokenizer."""
-    tok = tokenizer
-    f = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
-    if os.path.isfile(f):
-        with open(f, "rb") as fh:
-            tok = "sha256:" + hashlib.sha256(fh.read()).hexdigest()
-    # max_position_embeddings is left out: it is a label (RoPE is computed for the positions present), and
-    # checkpoints from before YaRN set it to factor x original must still resume
-    model = {k: v for k, v in dataclasses.asdict(mcfg).items() if k not in ("raw", "max_position_embeddings")}
-    return {"model": model, "shapes": hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest(),
-            "data": {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
-                                                  "seq_len", "seed")},
-            "tokenizer": tok}
-
-
-def resume_point(cfg, fp: dict, log) -> str | None:
-    """Rank 0: the checkpoint to continue from (None: start fresh), after checking it belongs to this run."""
-    root = os.path.join(cfg.out_dir, "checkpoints")
-    if cfg.resume == "none":
-        earlier = [f for f in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(cfg.out_dir, f))]
-        if earlier and not cfg.overwrite:
-            raise SystemExit(f"error: --out_dir {cfg.out_dir} holds an earlier run ({', '.join(earlier)}); use "
-                             "--resume auto to continue it, another --out_dir, or --overwrite true to replace it")
-        if earlier:
-            remove_dir(root)
-        return None
-    if cfg.resume != "auto":
-        problem = verify(cfg.resume)
-        if problem:
-            raise SystemExit(f"error: --resume {cfg.resume}: {problem}")
-        path = cfg.resume
-    else:
-        clean_leftovers(root)
-        path = newest_valid(root, log)
-        if path is None:
-            return None
-    diff = fingerprint_mismatch(read_manifest(path)["fingerprint"], fp)
-    if diff:
-        raise SystemExit(f"error: checkpoint {path} belongs to another run: {diff}. Use the same model, data and "
-                         "tokenizer, or another --out_dir (or --resume none --overwrite true)")
-    return path
-
-
-def check_outputs(cfg, n_params: int, param_bytes: int, log):
-    """Rank 0, before the first step: every output folder writable and not under a file, and free disk for a
-    checkpoint (weights + two AdamW states, in param_dtype) and the export."""
-    pbytes = param_bytes
-    needs = [(cfg.out_dir, "--out_dir", 3 * n_params * pbytes)]
-    if cfg.save_dir:
-        needs.append((cfg.save_dir, "--save_dir", n_params * pbytes))
-    for path, flag, size in needs:
-        parent = os.path.abspath(path)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise SystemExit(f"error: {flag} {path}: {parent} is a file, not a folder; choose another {flag}")
-        if not os.access(parent, os.W_OK):
-            raise SystemExit(f"error: {flag} {path}: {parent} is not writable; choose another {flag}")
-        free = shutil.disk_usage(parent).free
-        if free < size * 1.05:  # 5%: the manifests, trainer.json, safetensors headers
-            raise SystemExit(f"error: {flag} {path}: {free / 2**30:.2f} GiB free on its disk, but a "
-                             f"{'checkpoint' if flag == '--out_dir' else 'export'} needs about {size / 2**30:.2f} "
-                             f"GiB; free space or choose another {flag}")
-    log(f"outputs: a checkpoint is about {3 * n_params * pbytes / 2**30:.2f} GiB; {cfg.keep_checkpoints} kept")
-
-
-class Metrics:
-    """out_dir/metrics.jsonl on rank 0: one JSON object per step. On resume the rows after the checkpoint's
-    step are cut, so the file holds exactly one row per step. A non-finite value is written as null, and the
-    row names it under "nonfinite" (bare NaN is not JSON)."""
-
-    def __init__(self, path: str, resumed_step: int):
-        rows = []
-        if resumed_step and os.path.exists(path):
-            with open(path) as fh:
-                for line in fh:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:  # a line cut short by a kill
-                        continue
-                    if row.get("step", 0) <= resumed_step:
-                        rows.append(line if line.endswith("\n") else line + "\n")
-        with open(path + ".tmp", "w") as fh:
-            fh.writelines(rows)
-        os.replace(path + ".tmp", path)
-        self.fh = open(path, "a")
-
-    def write(self, rec: dict):
-        bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
-        rec = {k: (None if k in bad else v) for k, v in rec.items()}
-        if bad:
-            rec["nonfinite"] = bad
-        self.fh.write(json.dumps(rec, allow_nan=False) + "\n")
-        self.fh.flush()

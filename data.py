@@ -28,8 +28,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import tokenizers
 import torch
+import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from huggingface_hub import HfFileSystem
+
+from parallel import agree, all_ok, zigzag_shard
 
 # A parquet copy of PG-19 (28,602 train books, 11 GB): data/{train,validation,test}-000NN-of-000MM-*.parquet with
 # columns short_book_title, publication_date, url, text. The original deepmind/pg19 is a loading script; its
@@ -69,6 +72,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # No BOS/template tokens: the only special token in the stream is the end-of-text after each book.
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def tokenizer_spec(tokenizer: str, model_path: str | None) -> str:
+    """The tokenizer a run uses: --tokenizer if given, else the model folder's tokenizer.json."""
+    return tokenizer or model_path or ""
 
 
 def load_tokenizer(spec: str):
@@ -275,8 +283,9 @@ class WindowLoader:
     """Iterates over this rank's windows: int64 tensors of shape [seq_len + 1].
 
     books(start_book) must yield (book_index, text) from book `start_book` on; it is called again on resume.
-    A daemon thread tokenizes ahead into a queue of `prefetch` windows. Every rank tokenizes the whole stream
-    and copies only its own windows: tokenizing is seconds per 1M-token window against minutes of training.
+    A daemon thread tokenizes ahead into a queue of `prefetch` windows. In training one loader runs per
+    data-parallel group, on the group's first rank (Batches); it tokenizes the whole stream, every group's
+    windows, and copies only its own: tokenizing is seconds per 1M-token window against minutes of training.
 
     A window is handed out only when its whole round of dp_size windows exists, so all ranks yield the same
     number of windows and stop together when finite data runs out (StopIteration). The state after a round is
@@ -392,6 +401,70 @@ class WindowLoader:
             raise ValueError(f"the data ran out before one window per rank: {books_seen} books and {tokens_seen} "
                              f"tokens from book {start['book']} on, but {size} rank(s) × (seq_len + 1) = {size * n} "
                              "tokens are needed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batches for the ranks of a context-parallel group
+# ---------------------------------------------------------------------------------------------
+
+class DataEnd(Exception):
+    """The (finite) data ran out: the run ends as at --max_steps."""
+
+
+class Batches:
+    """This rank's micro-batches, [(inputs [1, T/cp], labels [1, T/cp])] * grad_accum per step.
+
+    Only the first rank of each context-parallel group reads and tokenizes: make_loader() is called there alone
+    (a WindowLoader over this data-parallel group's windows), and each window is broadcast to the rest of the
+    group, which shards it (zigzag). An error on the reading rank stops every rank of the world together."""
+
+    def __init__(self, make_loader: Callable[[], "WindowLoader"], seq_len: int, grad_accum: int, cp_group, device):
+        self.seq_len, self.grad_accum, self.group, self.device = seq_len, grad_accum, cp_group, device
+        self.cp_rank, self.cp = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+        self.src = dist.get_global_rank(cp_group, 0)
+        self.loader, error = None, None
+        if self.cp_rank == 0:
+            try:
+                self.loader = make_loader()
+            except Exception as e:  # the tokenizers library raises plain Exceptions for a file it cannot parse
+                error = f"error (rank {dist.get_rank()}): data: {type(e).__name__}: {str(e).splitlines()[0]}"
+        all_ok(error, "setting up the data", device)
+
+    def _window(self):
+        w, error, ended = torch.empty(self.seq_len + 1, dtype=torch.long), None, False
+        if self.loader is not None:
+            try:
+                w = next(self.loader)
+            except StopIteration:
+                ended = True
+            except Exception as e:  # every rank must hear of it, or the others hang in the next collective
+                error = f"error (rank {dist.get_rank()}): reading data: {type(e).__name__}: {e}"
+        all_ok(error, "reading data", self.device)
+        if agree([ended], self.device)[0]:
+            raise DataEnd
+        w = w.to(self.device)
+        dist.broadcast(w, src=self.src, group=self.group)
+        return w
+
+    def next(self):
+        batch = []
+        for _ in range(self.grad_accum):
+            w = self._window()                                            # [T + 1], the whole sequence
+            inputs = zigzag_shard(w[:-1], 0, self.cp_rank, self.cp)[None]  # [1, T/cp]
+            labels = zigzag_shard(w[1:], 0, self.cp_rank, self.cp)[None]   # shifted on the whole sequence, then sharded
+            batch.append((inputs, labels))
+        return batch
+
+    def state_dict(self):  # rank 0 reads the first data-parallel group's windows: its state is everyone's
+        return self.loader.state_dict() if self.loader is not None else None
+
+    def load_state_dict(self, sd):
+        if self.loader is not None:
+            self.loader.load_state_dict(sd)
+
+    def close(self):
+        if self.loader is not None:
+            self.loader.close()
 
 
 if __name__ == "__main__":  # print what the loader makes of a source: tokens, book ends, time, state

@@ -320,18 +320,21 @@ class Qwen3(nn.Module):
             else:
                 p.normal_(0.0, std, generator=generator)
 
-    def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0, offload_layers: int = 0,
-                   keep_attention: bool = False, keep_attention_layers: int = 0):
+    def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0,
+                   offload_layers: int | None = None, keep_attention: bool = False,
+                   keep_attention_layers: int | None = None):
         """The memory levers of section 2: recompute each block in backward from its kept input; keep
-        attention's output + lse too (keep_attention); hold what is kept in pinned host memory for the first
-        `offload_layers` blocks (0 = all: the first blocks' tensors are needed last in backward, so their
-        copies hide best), and keep attention for the first `keep_attention_layers` (0 = all); compute the MLP in
-        tiles of mlp_tile rows (0 = off). Offload implies recompute."""
-        shared = HostOffload() if offload else None
-        n, k = offload_layers or len(self.layers), keep_attention_layers or len(self.layers)
+        attention's output + lse too (keep_attention); hold what is kept in pinned host memory (offload); compute
+        the MLP in tiles of mlp_tile rows (0 = off). offload_layers and keep_attention_layers limit those two
+        levers to the first N blocks (None = every block, 0 = none): the first blocks' tensors are needed last
+        in backward, so their copies hide best. Offload implies recompute."""
+        L = len(self.layers)
+        n = (L if offload_layers is None else offload_layers) if offload else 0
+        k = (L if keep_attention_layers is None else keep_attention_layers) if keep_attention else 0
+        shared = HostOffload() if n else None
         for b in self.layers:
-            b.recompute, b.offload, b.mlp.tile = recompute or offload, shared if b.index < n else None, mlp_tile
-            b.keep_attention = keep_attention and b.index < k
+            b.recompute, b.offload, b.mlp.tile = recompute or n > 0, shared if b.index < n else None, mlp_tile
+            b.keep_attention = b.index < k
         return self
 
     @classmethod

@@ -425,3 +425,21 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
     if max_norm > 0 and grads:
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks agreeing
+# ---------------------------------------------------------------------------------------------
+
+def agree(flags: list[bool], device, group=None) -> list[bool]:
+    """One collective: each flag is true on every rank if it is true on any."""
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(x) for x in t.tolist()]
+
+
+def all_ok(error: str | None, what: str, device):
+    """A collective check that every rank succeeded at `what` (error None): if one did not, every rank stops
+    together, the failing one with its own message, the others pointing to it."""
+    if agree([error is not None], device)[0]:
+        raise SystemExit(error or f"error: {what} failed on another rank (see its message); stopping")

@@ -8,9 +8,12 @@ Every field of TrainConfig is a flag (`--key value`, booleans take true/false). 
 and saved in --out_dir; each step appends a line to --out_dir/metrics.jsonl.
 
 A run is its --out_dir. Relaunching the same command after any stop (a crash, kill -9, SIGTERM, a requeue, a
-torchrun restart) continues from the newest complete checkpoint in out_dir/checkpoints (checkpoint.py) with the
-same losses as if it had never stopped. SIGTERM, SIGINT and SIGUSR1 end the run at the next step boundary with a
-checkpoint and exit code 75 (EXIT_PREEMPTED). A step whose loss or gradient norm is not finite changes no weight.
+torchrun restart) continues from the newest complete checkpoint (checkpoint.py, rundir.py) with the same losses
+as if it had never stopped. SIGTERM, SIGINT and SIGUSR1 end the run at the next step boundary with a checkpoint
+and exit code 75 (EXIT_PREEMPTED). A step whose loss or gradient norm is not finite changes no weight.
+
+Read top to bottom: the config, the ranks, building (model, optimizer, data), the step, the loop, evaluation,
+saving, main.
 """
 import contextlib
 import dataclasses
@@ -24,13 +27,21 @@ import signal
 import socket
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.rendezvous import rendezvous
 
 import checkpoint
+import data
+import parallel
+import plan
+import rundir
+from model import Qwen3, Qwen3Config, load_or_init_state_dict, local_folder, save_hf
 
 EXIT_PREEMPTED = 75  # a signal asked the run to stop; it saved a checkpoint: relaunch the same command to continue
 
@@ -73,9 +84,9 @@ class TrainConfig:
     host_mem_gib: float = 0.0     # host memory per node the plan may use (0 = RAM, or the cgroup's limit)
     recompute: bool = True        # recompute each block in backward, keeping only its input (was --checkpoint)
     offload: bool = True          # keep what is kept in pinned host memory
-    offload_layers: int = 0       # offload only the first N blocks' tensors (0 = all): when host RAM is short
+    offload_layers: int = -1      # offload only the first N blocks' tensors (-1 = all): when host RAM is short
     keep_attention: bool = True   # keep attention's output + lse instead of recomputing attention in backward
-    keep_attention_layers: int = 0  # keep it for the first N blocks only (0 = all): the most time per host byte
+    keep_attention_layers: int = -1  # keep it for the first N blocks only (-1 = all): the most time per host byte
     tiled_mlp: bool = True        # compute the MLP in sequence tiles of mlp_tile rows
     mlp_tile: int = 16384         # Qwen3-1.7B/131k on an H200: 8192 and 16384 give 15.87 s and 22.0 GiB, 32768
                                   # 15.82 s and 23.2 GiB (bench/results/mlp_tile.json): the peak is elsewhere
@@ -111,7 +122,14 @@ PRESETS = {
                  lr=3e-3, warmup_steps=10, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
                  tiled_mlp=False, loss_chunk=512, out_dir="runs/demo"),
 }
-OLD_FLAG_NAMES = {"checkpoint": "recompute"}
+
+PRESETS = {
+    "qwen3-8b-1m": {},
+    # ~45 s on 2 CPU cores with 2 ranks; the loss falls from 5.5 (uniform over 257 bytes) to ~2.4
+    "demo": dict(model="tiny", tokenizer="byte", yarn_factor=0.0, data="synthetic", seq_len=4096, max_steps=150,
+                 lr=3e-3, warmup_steps=10, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
+                 tiled_mlp=False, loss_chunk=512, out_dir="runs/demo"),
+}
 
 
 def parse_args(argv) -> tuple[TrainConfig, set]:
@@ -119,7 +137,7 @@ def parse_args(argv) -> tuple[TrainConfig, set]:
     on the command line: levers given there win over --fit auto's plan)."""
     if len(argv) % 2 or any(not k.startswith("--") for k in argv[::2]):
         raise SystemExit(f"error: arguments come in --key value pairs; got {argv}")
-    pairs = {OLD_FLAG_NAMES.get(k[2:], k[2:]): v for k, v in zip(argv[::2], argv[1::2])}
+    pairs = {k[2:]: v for k, v in zip(argv[::2], argv[1::2])}
     name = pairs.get("config", TrainConfig.config)
     if name not in PRESETS:
         raise SystemExit(f"error: --config {name}: unknown preset; choose one of {sorted(PRESETS)}")
@@ -152,8 +170,9 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     for key in ("dtype", "param_dtype"):
         need(getattr(cfg, key) in ("bfloat16", "float32"), f"--{key} {getattr(cfg, key)}: use bfloat16 or float32")
     need(cfg.fit in ("auto", "off"), f"--fit {cfg.fit}: use auto or off")
-    need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0 and cfg.offload_layers >= 0 and cfg.keep_attention_layers >= 0,
-         "--gpu_mem_gib, --host_mem_gib, --offload_layers and --keep_attention_layers must be >= 0")
+    need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0, "--gpu_mem_gib and --host_mem_gib must be >= 0")
+    need(cfg.offload_layers >= -1 and cfg.keep_attention_layers >= -1,
+         "--offload_layers and --keep_attention_layers count blocks: 0 or more, or -1 for every block")
     need(cfg.attn_backend in ("auto", "fa4", "cudnn", "flash"),
          f"--attn_backend {cfg.attn_backend}: use auto, fa4, cudnn or flash")
     need(cfg.cp >= 0, f"--cp {cfg.cp}: must be >= 1 (or 0 for the world size)")
@@ -187,7 +206,7 @@ def check_config(cfg: TrainConfig, world: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Ranks: start-up, agreeing, stopping together
+# Ranks: start-up, errors, stopping together
 # ---------------------------------------------------------------------------------------------
 
 def init_distributed(cfg: TrainConfig):
@@ -199,7 +218,6 @@ def init_distributed(cfg: TrainConfig):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    from torch.distributed.rendezvous import rendezvous
     timeout = datetime.timedelta(minutes=cfg.dist_timeout_min)
     store, rank, world = next(rendezvous("env://", timeout=timeout))
     # torchrun keeps one store across restarts of its workers: without a prefix per attempt, a restarted worker
@@ -234,15 +252,6 @@ def on_rank0(fn, group=None):
     return msg[0]
 
 
-def all_ok(ok: bool, what: str, device):
-    """A collective check that every rank succeeded at `what`; all ranks stop together if one did not."""
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if flag.item() < 1:
-        where = "on this rank" if not ok else "on another rank"
-        raise SystemExit(f"error: {what} failed {where} (see the message above); stopping")
-
-
 class StopRequest:
     """SIGTERM, SIGINT and SIGUSR1 (what schedulers send before preemption) only set a flag: the step in flight
     finishes, and at its end all ranks agree to save and exit. A second SIGINT stops at once. A worker whose
@@ -267,31 +276,47 @@ class StopRequest:
         return None
 
 
-def agree(flags: list[bool], device) -> list[bool]:
-    """One collective: each flag is true on every rank if it is true on any."""
-    t = torch.tensor([float(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(x) for x in t.tolist()]
+# ---------------------------------------------------------------------------------------------
+# Building: the mesh, the model, the optimizer, the data
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    """What training and evaluation share, built by setup()."""
+    mesh: object             # DeviceMesh (dp, cp): a cp group is cp consecutive ranks; FSDP2 shards over all
+    model: torch.nn.Module
+    mcfg: Qwen3Config
+    model_path: str | None   # the local folder of --model (None for "tiny")
+    shapes: dict             # every parameter's full shape (before sharding)
+    positions: torch.Tensor  # [1, T/cp] this rank's global positions (zigzag)
+    device: torch.device
 
 
-# ---------------------------------------------------------------------------------------------
-# Building: model, optimizer, data
-# ---------------------------------------------------------------------------------------------
+def setup(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Setup:
+    """One device mesh, ring attention over its cp groups, the model sharded over every rank and loaded."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    # A context-parallel group is cp consecutive ranks: one node when it fits
+    mesh = init_device_mesh(cfg.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    attn = parallel.RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
+    model, mcfg, path, shapes = build_model(cfg, given, mesh, attn, device, log)
+    n_params = sum(math.prod(s) for s in shapes.values())
+    log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {n_params / 1e9:.3f} B parameters, "
+        f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}")
+    positions = parallel.zigzag_positions(cfg.seq_len, mesh.get_local_rank("cp"), cp, device=device)[None]
+    return Setup(mesh, model, mcfg, path, shapes, positions, device)
+
 
 def model_folder(spec: str) -> str:
     """--model as a local folder (a hub id is downloaded); errors name the flag."""
-    from model import local_folder
     try:
         return local_folder(spec)
     except (OSError, ValueError) as e:
         raise type(e)(f"--model {e}") from None
 
 
-def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, dtype, device, log):
+def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
     """Meta-device model -> FSDP2 shards -> weights read (or drawn) once on rank 0 and broadcast."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from model import Qwen3, Qwen3Config, load_hf_state_dict
-    from parallel import shard_model
     path = None if cfg.model == "tiny" else on_rank0(lambda: model_folder(cfg.model))  # downloads once
     if path is not None and not os.path.isdir(path):  # another node without rank 0's disk: its own copy
         path = model_folder(cfg.model)
@@ -303,53 +328,53 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, dtype, device, log)
     with torch.device("meta"):
         model = Qwen3(mcfg, attn_fn).to(pdtype)
     shapes = {n: list(t.shape) for n, t in model.state_dict().items()}  # before sharding (then it is collective)
-    model.set_levers(recompute=cfg.recompute, offload=cfg.offload, mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0,
-                     offload_layers=cfg.offload_layers, keep_attention=cfg.keep_attention,
-                     keep_attention_layers=cfg.keep_attention_layers)
-    shard_model(model, mesh, param_dtype=dtype)  # FSDP2 gathers the pdtype shards as dtype for compute
+    lv = levers(cfg, mcfg.num_hidden_layers)
+    model.set_levers(recompute=cfg.recompute, offload=lv.offload_layers > 0, offload_layers=lv.offload_layers,
+                     keep_attention=lv.keep_attention_layers > 0, keep_attention_layers=lv.keep_attention_layers,
+                     mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0)
+    # FSDP2 over every rank, gathering the param_dtype shards as --dtype for compute. Its mesh is the world group
+    # as it is: a flattened (dp, cp) mesh (torchtitan's way) makes a new process group, whose teardown at exit
+    # aborted a gloo rank about one run in two in our tests
+    parallel.shard_model(model, DeviceMesh.from_group(dist.group.WORLD, cfg.device), param_dtype=getattr(torch, cfg.dtype))
     model.to_empty(device=device)
-
-    def full_state_dict():
-        sd = load_hf_state_dict(path, list(shapes), pdtype) if path else None
-        if sd is None:  # same draw for any world size: the cp-equivalence of runs depends on it
-            if path:
-                warnings.warn(f"{path} has no *.safetensors: training from random initialisation")
-            with torch.device(device):
-                ref = Qwen3(mcfg).to(pdtype)
-            ref.init_weights(torch.Generator(device).manual_seed(cfg.seed))
-            sd = ref.state_dict()
-        return sd
     held = {}  # rank 0 keeps the full weights; only the error, if any, is shared
-    on_rank0(lambda: held.update(sd=full_state_dict()))
+    # the same random draw for any world size: the cp-equivalence of runs depends on it
+    on_rank0(lambda: held.update(sd=load_or_init_state_dict(path, mcfg, list(shapes), pdtype, cfg.seed, device)))
     set_model_state_dict(model, held.get("sd", {}),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model, mcfg, path, shapes
 
 
-def plan_shape(cfg: TrainConfig, mcfg, world: int):
-    import plan
-    from parallel import resolve_backend
-    cp = cfg.cp or world
-    return plan.Shape.of(mcfg, cfg.seq_len, cp, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+def levers(cfg: TrainConfig, layers: int) -> plan.Levers:
+    """The memory levers as counts of blocks (the first ones), from the flags: --offload false and
+    --keep_attention false mean none, --offload_layers -1 and --keep_attention_layers -1 mean every block."""
+    def count(on, n):
+        return 0 if not on else layers if n < 0 else min(n, layers)
+    return plan.Levers(count(cfg.offload, cfg.offload_layers), count(cfg.keep_attention, cfg.keep_attention_layers),
+                       cfg.tiled_mlp, cfg.mlp_tile)
+
+
+def plan_shape(cfg: TrainConfig, mcfg, world: int) -> plan.Shape:
+    return plan.Shape.of(mcfg, cfg.seq_len, cfg.cp or world, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
                          act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
-                         attn_backend=resolve_backend(cfg.attn_backend))
+                         attn_backend=parallel.resolve_backend(cfg.attn_backend))
 
 
 def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
     """--fit auto: set the levers the command line did not, to the fastest plan predicted to fit this node
     (plan.py). Every rank computes the same plan: the capacities are the smallest any rank sees."""
-    import plan
-    L = mcfg.num_hidden_layers
+    lv = levers(cfg, mcfg.num_hidden_layers)
     fixed = {}  # what the user said wins
-    if "offload" in given or "offload_layers" in given:
-        fixed["offload_layers"] = 0 if not cfg.offload else (cfg.offload_layers or L)
-    if "keep_attention" in given or "keep_attention_layers" in given:
-        fixed["keep_attention_layers"] = 0 if not cfg.keep_attention else (cfg.keep_attention_layers or L)
-    if "tiled_mlp" in given or "mlp_tile" in given:
+    if given & {"offload", "offload_layers"}:
+        fixed["offload_layers"] = lv.offload_layers
+    if given & {"keep_attention", "keep_attention_layers"}:
+        fixed["keep_attention_layers"] = lv.keep_attention_layers
+    if given & {"tiled_mlp", "mlp_tile"}:
         fixed.update(tiled_mlp=cfg.tiled_mlp, mlp_tile=cfg.mlp_tile)
     if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib):
-        return log(f"fit: levers as given ({'--fit off' if cfg.fit == 'off' else 'no recompute' if not cfg.recompute else 'CPU'})")
+        why = "--fit off" if cfg.fit == "off" else "no recompute" if not cfg.recompute else "CPU"
+        return log(f"fit: levers as given ({why})")
     caps = torch.tensor([cfg.gpu_mem_gib or plan.gpu_memory_gib(), cfg.host_mem_gib or plan.host_memory_gib()],
                         dtype=torch.float64, device=device)
     dist.all_reduce(caps, op=dist.ReduceOp.MIN)
@@ -365,13 +390,11 @@ def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
         + plan.describe(lv, cost, s) + (f" (given: {', '.join(sorted(fixed))})" if fixed else ""))
 
 
-def check_host_memory(cfg, mcfg, world, log):
+def check_host_memory(cfg: TrainConfig, mcfg, world: int, log):
     """Pinned host memory for offloaded tensors: say how much, and stop before the first step if this machine
     cannot hold it for all of its ranks (pinned pages cannot be swapped out)."""
-    import plan
-    s, L = plan_shape(cfg, mcfg, world), mcfg.num_hidden_layers
-    per_rank = plan.host_bytes(s, plan.Levers(min(cfg.offload_layers or L, L) if cfg.offload else 0,
-                                              min(cfg.keep_attention_layers or L, L) if cfg.keep_attention else 0))
+    s = plan_shape(cfg, mcfg, world)
+    per_rank = plan.host_bytes(s, levers(cfg, mcfg.num_hidden_layers))
     local, total = s.ranks_per_node, (cfg.host_mem_gib or plan.host_memory_gib()) * 2**30
     log(f"offload: {per_rank / 2**30:.1f} GiB of pinned host memory per rank, {local * per_rank / 2**30:.1f} GiB for "
         f"the {local} rank(s) of this node ({total / 2**30:.0f} GiB RAM)")
@@ -381,10 +404,7 @@ def check_host_memory(cfg, mcfg, world, log):
                          "offloaded), --keep_attention_layers N, more context parallelism (--cp), or --offload false")
 
 
-def make_optimizer(cfg: TrainConfig, model):
-    """AdamW with its states allocated now rather than in the first step: one step with zero gradients at lr 0
-    (which changes no weight), then its step count rewound. The first step's peak memory is then the run's,
-    and a run that does not fit stops in step 1, not in step 2."""
+def make_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
     init_optimizer_state(opt)
@@ -392,6 +412,9 @@ def make_optimizer(cfg: TrainConfig, model):
 
 
 def init_optimizer_state(opt):
+    """AdamW's states allocated now rather than in the first step: one step with zero gradients at lr 0 (which
+    changes no weight), then its step count rewound. The first step's peak memory is then the run's, and a run
+    that does not fit stops in step 1, not in step 2."""
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -405,76 +428,21 @@ def init_optimizer_state(opt):
         state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
 
 
-class DataEnd(Exception):
-    """The (finite) data ran out: the run ends as at --max_steps."""
+def make_batches(cfg: TrainConfig, s: Setup, source: str, split: str, grad_accum: int) -> data.Batches:
+    """This rank's micro-batches of `source` (its `split`): one loader per data-parallel group (data.Batches)."""
+    dp, dp_rank = s.mesh.size(0), s.mesh.get_local_rank("dp")
 
-
-class Batches:
-    """This rank's micro-batches, [(inputs [1, T/cp], labels [1, T/cp])] * grad_accum per step. The windows are
-    read once per context-parallel group (on its first rank) and broadcast to the rest of the group."""
-
-    def __init__(self, cfg: TrainConfig, mcfg, model_path, cp_group, dp_rank, dp, device):
-        import data
-        from parallel import zigzag_shard
-        self.cfg, self.group, self.device, self.shard = cfg, cp_group, device, zigzag_shard
-        self.cp_rank, self.cp = dist.get_rank(cp_group), dist.get_world_size(cp_group)
-        self.src = dist.get_global_rank(cp_group, 0)
-        self.loader, rank = None, dist.get_rank()
-        if self.cp_rank == 0:
-            try:
-                tok = data.load_tokenizer(tokenizer_spec(cfg, model_path))
-                if tok.vocab_size > mcfg.vocab_size:
-                    raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                                     f"{mcfg.vocab_size}; use the model's own tokenizer")
-                kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=cfg.data_split, text_column=cfg.data_column)
-                if cfg.data_repo:
-                    kw["repo"] = cfg.data_repo
-                books = lambda start_book: data.iter_books(cfg.data, start_book=start_book, **kw)  # noqa: E731
-                self.loader = data.WindowLoader(books, tok, cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
-            except Exception as e:  # the tokenizers library raises plain Exceptions for a file it cannot parse
-                say_error(f"error (rank {rank}): data: {type(e).__name__}: {str(e).splitlines()[0]}")
-        all_ok(self.cp_rank != 0 or self.loader is not None, "setting up the data", device)
-
-    def _window(self):
-        w, ok, ended = torch.empty(self.cfg.seq_len + 1, dtype=torch.long), True, False
-        if self.loader is not None:
-            try:
-                w = next(self.loader)
-            except StopIteration:
-                ended = True
-            except Exception as e:  # every rank must hear of it, or the others hang in the next collective
-                say_error(f"error (rank {dist.get_rank()}): reading data: {type(e).__name__}: {e}")
-                ok = False
-        all_ok(ok, "reading data", self.device)
-        if agree([ended], self.device)[0]:
-            raise DataEnd
-        w = w.to(self.device)
-        dist.broadcast(w, src=self.src, group=self.group)
-        return w
-
-    def next(self):
-        batch = []
-        for _ in range(self.cfg.grad_accum):
-            w = self._window()                                         # [T + 1], the whole sequence
-            inputs = self.shard(w[:-1], 0, self.cp_rank, self.cp)[None]  # [1, T/cp]
-            labels = self.shard(w[1:], 0, self.cp_rank, self.cp)[None]   # shifted on the whole sequence, then sharded
-            batch.append((inputs, labels))
-        return batch
-
-    def state_dict(self):  # rank 0 reads the first data-parallel group's windows: its state is everyone's
-        return self.loader.state_dict() if self.loader is not None else None
-
-    def load_state_dict(self, sd):
-        if self.loader is not None:
-            self.loader.load_state_dict(sd)
-
-    def close(self):
-        if self.loader is not None:
-            self.loader.close()
-
-
-def tokenizer_spec(cfg: TrainConfig, model_path) -> str:
-    return cfg.tokenizer or model_path or ""
+    def make_loader():
+        tok = data.load_tokenizer(data.tokenizer_spec(cfg.tokenizer, s.model_path))
+        if tok.vocab_size > s.mcfg.vocab_size:
+            raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
+                             f"{s.mcfg.vocab_size}; use the model's own tokenizer")
+        kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=split, text_column=cfg.data_column)
+        if cfg.data_repo:
+            kw["repo"] = cfg.data_repo
+        return data.WindowLoader(lambda start_book: data.iter_books(source, start_book=start_book, **kw), tok,
+                                 cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
+    return data.Batches(make_loader, cfg.seq_len, grad_accum, s.mesh.get_group("cp"), s.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,16 +455,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * step / max(cfg.warmup_steps, 1)
     t = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
-def step_flops(mcfg, seq_len: int) -> float:
-    """Useful FLOPs of one sequence, forward + backward (the recompute is not counted, as MFU usually is not):
-    6 per parameter per token for the matmuls, plus causal attention: QK^T and PV, half the square, x3."""
-    h, i, L = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
-    qd, kvd = mcfg.num_attention_heads * mcfg.head_dim, mcfg.num_key_value_heads * mcfg.head_dim
-    matmul_params = L * (h * qd * 2 + h * kvd * 2 + 3 * h * i) + h * mcfg.vocab_size
-    attention = L * 3 * 2 * 2 * qd * seq_len * seq_len / 2
-    return 6 * matmul_params * seq_len + attention
 
 
 def train_step(model, opt, batch, positions, n_tokens: int, cfg: TrainConfig, lr: float):
@@ -512,7 +470,7 @@ def train_step(model, opt, batch, positions, n_tokens: int, cfg: TrainConfig, lr
         (out.loss_sum / n_tokens).backward()  # each rank's share of the global mean; FSDP2 sums the gradients
         sums.add(out, labels)
     loss_sum, by_position = sums.reduce()
-    grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     loss = loss_sum / n_tokens
     applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
     if applied:
@@ -545,32 +503,254 @@ class PositionSums:
         return acc[0], [x if math.isfinite(x) else None for x in (acc[1:1 + k] / acc[1 + k:]).tolist()]
 
 
-def clip_grad_norm_(params, max_norm):
-    from parallel import clip_grad_norm_ as clip  # a module-level name, so that tests can wrap it
-    return clip(params, max_norm)
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What the loop works on, built by start_run."""
+    s: Setup
+    opt: torch.optim.Optimizer
+    batches: data.Batches
+    n_tokens: int            # target tokens per step over all ranks and micro-batches
+    flops: float             # useful FLOPs per step over all ranks (MFU's numerator: plan.useful_flops)
+    fingerprint: dict
+    done: int                # steps already trained (from the checkpoint resumed)
+    metrics: "rundir.JsonlLog | None"
+
+
+def start_run(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Run:
+    """The setup, the optimizer and the data; then the checkpoint to resume (if any), the output checks and the
+    log."""
+    s = setup(cfg, given, cp, world, log)
+    if cfg.offload:
+        check_host_memory(cfg, s.mcfg, world, log)
+    if cfg.param_dtype == "bfloat16":
+        log("warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
+            "1/256 of a weight rounds away (at lr 1e-5, 98% of weights do not move). Use float32 unless you are "
+            "matching a bf16 recipe (as bench/ does, for the single-GPU reference)")
+    opt = make_optimizer(cfg, s.model)
+    batches = make_batches(cfg, s, cfg.data, cfg.data_split, cfg.grad_accum)
+    data_fp = {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
+                                            "seq_len", "seed")}
+    fp = rundir.fingerprint(s.mcfg, s.shapes, data_fp, data.tokenizer_spec(cfg.tokenizer, s.model_path))
+    resume_from, done = on_rank0(lambda: rundir.resume_point(cfg.out_dir, cfg.resume, cfg.overwrite, fp, log)), 0
+    if resume_from:
+        t0 = time.time()
+        model_sd, optim_sd = get_state_dict(s.model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        meta = checkpoint.load(resume_from, state)
+        set_state_dict(s.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        batches.load_state_dict(meta["data"])
+        done = meta["step"]
+        log(f"resumed from {resume_from} after step {done} (loaded in {time.time() - t0:.1f} s)")
+    n_params, pbytes = sum(math.prod(x) for x in s.shapes.values()), getattr(torch, cfg.param_dtype).itemsize
+    needs = [(cfg.out_dir, "--out_dir", 3 * n_params * pbytes)]  # a checkpoint: weights and two AdamW states
+    if cfg.save_dir:
+        needs.append((cfg.save_dir, "--save_dir", n_params * pbytes))
+    on_rank0(lambda: rundir.check_outputs(needs))
+    log(f"outputs: a checkpoint is about {3 * n_params * pbytes / 2**30:.2f} GiB; {cfg.keep_checkpoints} kept")
+    held = {}  # the log is opened (and cut back to the checkpoint's step) only now that the run is known to start
+    if done < cfg.max_steps:
+        on_rank0(lambda: held.update(metrics=open_log(cfg, done)))
+    dp = world // cp
+    return Run(s, opt, batches, cfg.seq_len * cfg.grad_accum * dp,
+               plan.useful_flops(plan_shape(cfg, s.mcfg, world)) * cfg.grad_accum * dp, fp, done,
+               held.get("metrics"))
+
+
+def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start: float) -> int:
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+    log(f"world {world} = data parallel {world // cp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
+    if cfg.eval_only:
+        return evaluate_only(cfg, given, cp, world, log)
+    run = start_run(cfg, given, cp, world, log)
+    s = run.s
+    if run.done >= cfg.max_steps:
+        log(f"the run in {cfg.out_dir} is complete (step {run.done} of --max_steps {cfg.max_steps}); nothing to do. "
+            "Raise --max_steps to train on, or use another --out_dir")
+        return 0
+    eval_log = open_eval_log(cfg, run.done) if cfg.eval_every else None
+    if run.done == 0 and eval_due(cfg, 0):  # the model as it came, before any step
+        evaluate(cfg, s, 0, eval_log, log)
+    stop = StopRequest()  # from here on a signal ends the run with a checkpoint; before, it ends it at once
+    last_save, saved, skipped, zero_norm = time.time(), run.done, 0, 0
+    s.model.train()
+    for step in range(run.done + 1, cfg.max_steps + 1):
+        t0 = time.time()
+        try:
+            batch = run.batches.next()
+        except data.DataEnd:
+            log(f"the data ran out after step {step - 1}; ending the run there, as at --max_steps")
+            if saved < step - 1 and cfg.checkpoints:
+                save_checkpoint(cfg, run, step - 1, log)
+            break
+        if cfg.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with profiled(cfg, step, dist.get_rank(), log):
+            loss, grad_norm, applied, by_position = train_step(s.model, run.opt, batch, s.positions, run.n_tokens,
+                                                               cfg, lr_at(step, cfg))
+        if step == run.done + 1:
+            log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
+        log_step(cfg, run, step, loss, by_position, grad_norm, applied, time.time() - t0, world, log)
+        skipped, zero_norm = (0 if applied else skipped + 1), (zero_norm + 1 if grad_norm == 0 else 0)
+        check_health(cfg, step, skipped, zero_norm, log)
+        if eval_due(cfg, step):
+            evaluate(cfg, s, step, eval_log, log)
+        reason = stop.reason()
+        timed = cfg.ckpt_every_min > 0 and time.time() - last_save > 60 * cfg.ckpt_every_min
+        stopping, timed = parallel.agree([reason is not None, timed], s.device)  # one collective per step
+        due = stopping or timed or (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps
+        if due and cfg.checkpoints:
+            save_checkpoint(cfg, run, step, log)
+            last_save, saved = time.time(), step
+        if stopping:
+            log(f"stopping after step {step} ({reason or 'another rank was asked to stop'}), with a checkpoint; "
+                f"relaunch the same command to continue. Exit code {EXIT_PREEMPTED}")
+            run.batches.close()
+            return EXIT_PREEMPTED
+    run.batches.close()
+    if cfg.save_dir:
+        export_hf(cfg, s, log)
+    return 0
+
+
+def check_health(cfg: TrainConfig, step: int, skipped: int, zero_norm: int, log):
+    if zero_norm == 3:
+        log("warning: the gradient norm has been exactly 0 for 3 steps: the model may be dead (a loss flat at "
+            "ln(vocab) says so); check --lr and the data")
+    if skipped >= cfg.max_skipped_steps:
+        raise SystemExit(f"error: {skipped} steps in a row had a non-finite loss or gradient norm (the last at step "
+                         f"{step}); they changed no weights. Lower --lr, check the data, or resume from an earlier "
+                         "checkpoint")
+
+
+def open_log(cfg: TrainConfig, done: int) -> rundir.JsonlLog:
+    """Rank 0: the run's config beside its metrics, written only once the run is known to start."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as fh:
+        json.dump(dataclasses.asdict(cfg), fh, indent=2)
+    return rundir.JsonlLog(os.path.join(cfg.out_dir, "metrics.jsonl"), done)
+
+
+def peak_memory(cfg: TrainConfig, device) -> float:
+    """Peak GPU memory (CPU: max RSS) in bytes, the largest over ranks."""
+    peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else
+                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
+def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log):
+    """One metrics.jsonl row and one printed line."""
+    peak = peak_memory(cfg, run.s.device)
+    offload = run.s.model.layers[0].offload
+    host = offload.host_bytes() if offload is not None else 0
+    lr = run.opt.param_groups[0]["lr"]
+    rec = dict(step=step, loss=loss, grad_norm=grad_norm, num_tokens=run.n_tokens, lr=lr, step_time_s=dt,
+               tokens_per_s=run.n_tokens / dt,
+               mfu=run.flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
+               peak_mem_gib=peak / 2**30, host_pinned_gib=host / 2**30,
+               loss_by_position=by_position)  # [--loss_buckets] means over equal spans of the sequence
+    if not applied:
+        rec["skipped"] = True
+    log(f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+        f"{rec['tokens_per_s']:,.0f} tok/s | " + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
+        + f"{dt:.2f} s | peak mem {rec['peak_mem_gib']:.1f} GiB"
+        + ("" if applied else " | SKIPPED: non-finite loss or grad norm, no weight changed"))
+    if run.metrics:
+        run.metrics.write(rec)
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints, the HF export, checks before the first step
+# Held-out evaluation: the loss, and the loss by position, on sequences no step trains on
+# ---------------------------------------------------------------------------------------------
+
+def eval_due(cfg: TrainConfig, step: int) -> bool:
+    return cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+
+
+def open_eval_log(cfg: TrainConfig, done: int) -> "rundir.JsonlLog | None":
+    """Rank 0: out_dir/eval.jsonl, cut back to the resumed step like metrics.jsonl (an --eval_only run passes
+    done = sys.maxsize: it keeps every earlier row and adds its own)."""
+    held = {}
+    on_rank0(lambda: (os.makedirs(cfg.out_dir, exist_ok=True),
+                      held.update(log=rundir.JsonlLog(os.path.join(cfg.out_dir, "eval.jsonl"), done))))
+    return held.get("log")
+
+
+def evaluate(cfg: TrainConfig, s: Setup, step: int, eval_log, log) -> dict:
+    """The loss on the first --eval_sequences windows of --eval_data's --eval_split (the same windows at every
+    evaluation, so rows compare), overall and over --loss_buckets spans of position. The forward is training's
+    (ring attention, chunked loss) under no_grad: no block is recomputed or offloaded, as nothing is kept for a
+    backward. Windows are dealt round-robin to the data-parallel groups, so their count rounds up to a multiple
+    of data parallel. -> the row written to out_dir/eval.jsonl."""
+    t0, dp = time.time(), s.mesh.size(0)
+    source = cfg.eval_data or cfg.data
+    batches = make_batches(cfg, s, source, cfg.eval_split, 1)
+    if cfg.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sums, sequences = PositionSums(s.positions, cfg.seq_len, cfg.loss_buckets), 0
+    try:
+        with torch.no_grad():
+            while sequences < cfg.eval_sequences:
+                try:
+                    [(inputs, labels)] = batches.next()                       # [1, T/cp] each
+                except data.DataEnd:
+                    break
+                sums.add(s.model(inputs, s.positions, labels, loss_chunk=cfg.loss_chunk), labels)
+                sequences += dp
+    finally:
+        batches.close()
+    if sequences == 0:  # the loader reports data shorter than one window per rank itself; this is the rest
+        raise SystemExit(f"error: --eval_data {source} (split {cfg.eval_split}) has no window of --seq_len + 1 tokens")
+    loss_sum, by_position = sums.reduce()
+    n = sequences * cfg.seq_len
+    peak = peak_memory(cfg, s.device) if cfg.device == "cuda" else None
+    rec = dict(step=step, loss=loss_sum.item() / n, loss_by_position=by_position, sequences=sequences, num_tokens=n,
+               seq_len=cfg.seq_len, eval_data=source, eval_split=cfg.eval_split, model=cfg.model,
+               rope_scaling=s.mcfg.rope_scaling, eval_time_s=time.time() - t0,
+               peak_mem_gib=peak / 2**30 if peak is not None else None)
+    log(f"eval {step:4d} | loss {rec['loss']:.4f} on {sequences} x {cfg.seq_len:,} tokens | by position: "
+        + " ".join("-" if x is None else f"{x:.2f}" for x in by_position) + f" | {rec['eval_time_s']:.1f} s"
+        + (f" | peak mem {rec['peak_mem_gib']:.1f} GiB" if peak is not None else ""))
+    if eval_log:
+        eval_log.write(rec)
+    return rec
+
+
+def evaluate_only(cfg: TrainConfig, given: set, cp: int, world: int, log) -> int:
+    """--eval_only true: build --model (with --yarn_factor if given) sharded as for training, evaluate it once
+    at --seq_len, add a row (step 0) to out_dir/eval.jsonl. No optimizer, no training data, no checkpoint."""
+    s = setup(cfg, given, cp, world, log)
+    log(f"eval only: {cfg.model}, rope_scaling {s.mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
+        f"{cfg.seq_len:,} tokens from {cfg.eval_data or cfg.data} ({cfg.eval_split})")
+    evaluate(cfg, s, 0, open_eval_log(cfg, sys.maxsize), log)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving: checkpoints and the HF export
 # ---------------------------------------------------------------------------------------------
 
 def all_finite(model) -> bool:
     """True on every rank if every rank's weight shards are finite."""
-    from parallel import _local
-    bad = sum(int((~torch.isfinite(_local(p))).sum()) for p in model.parameters())
+    bad = sum(int((~torch.isfinite(parallel.local_shard(p))).sum()) for p in model.parameters())
     t = torch.tensor([float(bad)], device=next(model.parameters()).device)
     dist.all_reduce(t)
     return t.item() == 0
 
 
-def save_checkpoint(cfg: TrainConfig, run, step: int, log):
+def save_checkpoint(cfg: TrainConfig, run: Run, step: int, log):
     """A checkpoint of step `step` in out_dir/checkpoints (checkpoint.save), never of non-finite weights."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    if not all_finite(run.model):
+    if not all_finite(run.s.model):
         raise SystemExit(f"error: the weights hold non-finite values at step {step}; not saving them. The newest "
                          "checkpoint in out_dir is the last good state")
     t0 = time.time()
-    model_sd, optim_sd = get_state_dict(run.model, run.opt)
+    model_sd, optim_sd = get_state_dict(run.s.model, run.opt)
     root = os.path.join(cfg.out_dir, "checkpoints")
     checkpoint.save(root, step, {"model": model_sd, "optim": optim_sd},
                     {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg)},
@@ -578,22 +758,20 @@ def save_checkpoint(cfg: TrainConfig, run, step: int, log):
     log(f"checkpoint: step {step} saved to {checkpoint.step_dir(root, step)} in {time.time() - t0:.1f} s")
 
 
-def export_hf(cfg: TrainConfig, model, mcfg, model_path, log):
+def export_hf(cfg: TrainConfig, s: Setup, log):
     """The HF export (--save_dir): weights + config.json + the tokenizer the run used, written beside the
     folder and renamed into place, so --save_dir is never a mix of two saves."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from model import save_hf
-    if not all_finite(model):
+    if not all_finite(s.model):
         raise SystemExit("error: the weights hold non-finite values; not exporting them to --save_dir")
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def write():
         final = os.path.abspath(cfg.save_dir)
         tmp = f"{final}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            save_hf(tmp, mcfg, sd)
-            spec = tokenizer_spec(cfg, model_path)
+            save_hf(tmp, s.mcfg, sd)
+            spec = data.tokenizer_spec(cfg.tokenizer, s.model_path)
             if os.path.isfile(spec):
                 shutil.copy(spec, os.path.join(tmp, "tokenizer.json"))
             for f in os.listdir(spec) if os.path.isdir(spec) else []:
@@ -606,10 +784,6 @@ def export_hf(cfg: TrainConfig, model, mcfg, model_path, log):
         log(f"exported HF weights to {cfg.save_dir}")
     on_rank0(write)
 
-
-# ---------------------------------------------------------------------------------------------
-# Profiling one step
-# ---------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def profiled(cfg: TrainConfig, step: int, rank: int, log):
@@ -637,7 +811,7 @@ def profiled(cfg: TrainConfig, step: int, rank: int, log):
 
 
 # ---------------------------------------------------------------------------------------------
-# The run
+# main
 # ---------------------------------------------------------------------------------------------
 
 def main(argv):
@@ -679,253 +853,11 @@ def error_message(e: BaseException, cfg: TrainConfig, cp: int, rank: int) -> str
     return None
 
 
-@dataclass
-class Run:
-    """What the loop works on, built by start_run."""
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    batches: Batches
-    positions: torch.Tensor  # [1, T/cp] this rank's global positions (zigzag)
-    n_tokens: int            # target tokens per step over all ranks and micro-batches
-    flops: float             # useful FLOPs per step over all ranks
-    fingerprint: dict
-    done: int                # steps already trained (from the checkpoint resumed)
-    metrics: "checkpoint.Metrics | None"
-    mcfg: object
-    model_path: str | None
-
-
-def start_run(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, log) -> Run:
-    """Meshes, model, optimizer, data; then the checkpoint to resume (if any), the output checks and the log."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from parallel import RingAttention, zigzag_positions
-    dp = world // cp
-    dp_rank, cp_rank = divmod(rank, cp)  # a context-parallel group is cp consecutive ranks: one node when it fits
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-    dtype = getattr(torch, cfg.dtype)
-    torch.manual_seed(cfg.seed)
-    mesh = init_device_mesh(cfg.device, (dp, cp), mesh_dim_names=("dp", "cp"))
-    attn = RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
-    model, mcfg, path, shapes = build_model(cfg, given, init_device_mesh(cfg.device, (world,)), attn, dtype, device,
-                                            log)
-    n_params = sum(math.prod(s) for s in shapes.values())
-    log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {n_params / 1e9:.3f} B parameters, "
-        f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}")
-    if cfg.offload:
-        check_host_memory(cfg, mcfg, world, log)
-    if cfg.param_dtype == "bfloat16":
-        log("warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
-            "1/256 of a weight rounds away (at lr 1e-5, 98% of weights do not move). Use float32 unless you are "
-            "matching a bf16 recipe (as bench/ does, for the single-GPU reference)")
-    opt = make_optimizer(cfg, model)
-    batches = Batches(cfg, mcfg, path, mesh.get_group("cp"), dp_rank, dp, device)
-
-    fp = checkpoint.fingerprint(cfg, mcfg, shapes, tokenizer_spec(cfg, path))
-    resume_from, done = on_rank0(lambda: checkpoint.resume_point(cfg, fp, log)), 0
-    if resume_from:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        t0 = time.time()
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        meta = checkpoint.load(resume_from, state)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        batches.load_state_dict(meta["data"])
-        done = meta["step"]
-        log(f"resumed from {resume_from} after step {done} (loaded in {time.time() - t0:.1f} s)")
-    on_rank0(lambda: checkpoint.check_outputs(cfg, n_params, getattr(torch, cfg.param_dtype).itemsize, log))
-    held = {}  # the log is opened (and cut back to the checkpoint's step) only now that the run is known to start
-    if done < cfg.max_steps:
-        on_rank0(lambda: held.update(metrics=open_log(cfg, done)))
-    return Run(model, opt, batches, zigzag_positions(cfg.seq_len, cp_rank, cp, device=device)[None],
-               cfg.seq_len * cfg.grad_accum * dp, step_flops(mcfg, cfg.seq_len) * cfg.grad_accum * dp, fp, done,
-               held.get("metrics"), mcfg, path)
-
-
 def peer_failure(e: RuntimeError) -> bool:
     """A collective failed because another rank died (gloo: the connection closed) or past the timeout."""
     text = str(e)
     return isinstance(e, dist.DistError) or any(s in text for s in ("Connection closed by peer", "timed out",
                                                                     "Timed out", "Connection reset by peer"))
-
-
-def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start: float) -> int:
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-    log(f"world {world} = data parallel {world // cp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
-    if cfg.eval_only:
-        return evaluate_only(cfg, given, cp, rank, world, log)
-    run = start_run(cfg, given, cp, rank, world, log)
-    if run.done >= cfg.max_steps:
-        log(f"the run in {cfg.out_dir} is complete (step {run.done} of --max_steps {cfg.max_steps}); nothing to do. "
-            "Raise --max_steps to train on, or use another --out_dir")
-        return 0
-    eval_log = open_eval_log(cfg, run.done) if cfg.eval_every else None
-    if run.done == 0 and eval_due(cfg, 0):  # the model as it came, before any step
-        evaluate(cfg, run.model, run.mcfg, run.model_path, run.positions, run.batches.group, 0, eval_log, log)
-    stop = StopRequest()  # from here on a signal ends the run with a checkpoint; before, it ends it at once
-    last_save, saved, skipped, zero_norm = time.time(), run.done, 0, 0
-    run.model.train()
-    for step in range(run.done + 1, cfg.max_steps + 1):
-        t0 = time.time()
-        try:
-            batch = run.batches.next()
-        except DataEnd:
-            log(f"the data ran out after step {step - 1}; ending the run there, as at --max_steps")
-            if saved < step - 1 and cfg.checkpoints:
-                save_checkpoint(cfg, run, step - 1, log)
-            break
-        if cfg.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        with profiled(cfg, step, rank, log):
-            loss, grad_norm, applied, by_position = train_step(run.model, run.opt, batch, run.positions,
-                                                               run.n_tokens, cfg, lr_at(step, cfg))
-        if step == run.done + 1:
-            log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
-        log_step(cfg, run, step, loss, by_position, grad_norm, applied, time.time() - t0, world, log)
-        skipped, zero_norm = (0 if applied else skipped + 1), (zero_norm + 1 if grad_norm == 0 else 0)
-        check_health(cfg, step, skipped, zero_norm, log)
-        if eval_due(cfg, step):
-            evaluate(cfg, run.model, run.mcfg, run.model_path, run.positions, run.batches.group, step, eval_log, log)
-        reason = stop.reason()
-        timed = cfg.ckpt_every_min > 0 and time.time() - last_save > 60 * cfg.ckpt_every_min
-        stopping, timed = agree([reason is not None, timed], run.positions.device)  # one collective per step
-        due = stopping or timed or (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps
-        if due and cfg.checkpoints:
-            save_checkpoint(cfg, run, step, log)
-            last_save, saved = time.time(), step
-        if stopping:
-            log(f"stopping after step {step} ({reason or 'another rank was asked to stop'}), with a checkpoint; "
-                f"relaunch the same command to continue. Exit code {EXIT_PREEMPTED}")
-            run.batches.close()
-            return EXIT_PREEMPTED
-    run.batches.close()
-    if cfg.save_dir:
-        export_hf(cfg, run.model, run.mcfg, run.model_path, log)
-    return 0
-
-
-def check_health(cfg: TrainConfig, step: int, skipped: int, zero_norm: int, log):
-    if zero_norm == 3:
-        log("warning: the gradient norm has been exactly 0 for 3 steps: the model may be dead (a loss flat at "
-            "ln(vocab) says so); check --lr and the data")
-    if skipped >= cfg.max_skipped_steps:
-        raise SystemExit(f"error: {skipped} steps in a row had a non-finite loss or gradient norm (the last at step "
-                         f"{step}); they changed no weights. Lower --lr, check the data, or resume from an earlier "
-                         "checkpoint")
-
-
-def open_log(cfg: TrainConfig, done: int) -> "checkpoint.Metrics":
-    """Rank 0: the run's config beside its metrics, written only once the run is known to start."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as fh:
-        json.dump(dataclasses.asdict(cfg), fh, indent=2)
-    return checkpoint.Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), done)
-
-
-def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log):
-    """One metrics.jsonl row and one printed line. Peak GPU memory (CPU: max RSS) is the largest over ranks."""
-    device = run.positions.device
-    peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else
-                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64,
-                        device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    host = run.model.layers[0].offload.host_bytes() if run.model.layers[0].offload is not None else 0
-    lr = run.opt.param_groups[0]["lr"]
-    rec = dict(step=step, loss=loss, grad_norm=grad_norm, num_tokens=run.n_tokens, lr=lr, step_time_s=dt,
-               tokens_per_s=run.n_tokens / dt,
-               mfu=run.flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
-               peak_mem_gib=peak.item() / 2**30, host_pinned_gib=host / 2**30,
-               peak_mem_gb=peak.item() / 1e9,  # GB (1e9 bytes): kept for tools that read this older field
-               loss_by_position=by_position)  # [--loss_buckets] means over equal spans of the sequence
-    if not applied:
-        rec["skipped"] = True
-    log(f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
-        f"{rec['tokens_per_s']:,.0f} tok/s | " + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
-        + f"{dt:.2f} s | peak mem {rec['peak_mem_gib']:.1f} GiB"
-        + ("" if applied else " | SKIPPED: non-finite loss or grad norm, no weight changed"))
-    if run.metrics:
-        run.metrics.write(rec)
-
-
-# ---------------------------------------------------------------------------------------------
-# Held-out evaluation: the loss, and the loss by position, on sequences no step trains on
-# ---------------------------------------------------------------------------------------------
-
-def eval_due(cfg: TrainConfig, step: int) -> bool:
-    return cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
-
-
-def open_eval_log(cfg: TrainConfig, done: int) -> "checkpoint.Metrics | None":
-    """Rank 0: out_dir/eval.jsonl, cut back to the resumed step like metrics.jsonl (an --eval_only run passes
-    done = sys.maxsize: it keeps every earlier row and adds its own)."""
-    held = {}
-    on_rank0(lambda: (os.makedirs(cfg.out_dir, exist_ok=True),
-                      held.update(log=checkpoint.Metrics(os.path.join(cfg.out_dir, "eval.jsonl"), done))))
-    return held.get("log")
-
-
-def evaluate(cfg: TrainConfig, model, mcfg, model_path, positions, cp_group, step: int, eval_log, log) -> dict:
-    """The loss on the first --eval_sequences windows of --eval_data's --eval_split (the same windows at every
-    evaluation, so rows compare), overall and over --loss_buckets spans of position. The forward is training's
-    (ring attention, chunked loss) under no_grad: no block is recomputed or offloaded, as nothing is kept for a
-    backward. Windows are dealt round-robin to the data-parallel groups, so their count rounds up to a multiple
-    of data parallel. -> the row written to out_dir/eval.jsonl."""
-    t0, device = time.time(), positions.device
-    cp = dist.get_world_size(cp_group)
-    dp, dp_rank = dist.get_world_size() // cp, dist.get_rank() // cp
-    source = cfg.eval_data or cfg.data
-    batches = Batches(dataclasses.replace(cfg, data=source, data_split=cfg.eval_split, grad_accum=1), mcfg,
-                      model_path, cp_group, dp_rank, dp, device)
-    if cfg.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    sums, sequences = PositionSums(positions, cfg.seq_len, cfg.loss_buckets), 0
-    try:
-        with torch.no_grad():
-            while sequences < cfg.eval_sequences:
-                try:
-                    [(inputs, labels)] = batches.next()                       # [1, T/cp] each
-                except DataEnd:
-                    break
-                sums.add(model(inputs, positions, labels, loss_chunk=cfg.loss_chunk), labels)
-                sequences += dp
-    finally:
-        batches.close()
-    if sequences == 0:  # the loader reports data shorter than one window per rank itself; this is the rest
-        raise SystemExit(f"error: --eval_data {source} (split {cfg.eval_split}) has no window of --seq_len + 1 tokens")
-    loss_sum, by_position = sums.reduce()
-    n = sequences * cfg.seq_len
-    peak = torch.tensor([torch.cuda.max_memory_allocated() if cfg.device == "cuda" else 0], dtype=torch.float64,
-                        device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    rec = dict(step=step, loss=loss_sum.item() / n, loss_by_position=by_position, sequences=sequences, num_tokens=n,
-               seq_len=cfg.seq_len, eval_data=source, eval_split=cfg.eval_split, model=cfg.model,
-               rope_scaling=mcfg.rope_scaling, eval_time_s=time.time() - t0,
-               peak_mem_gib=peak.item() / 2**30 if cfg.device == "cuda" else None)
-    log(f"eval {step:4d} | loss {rec['loss']:.4f} on {sequences} x {cfg.seq_len:,} tokens | by position: "
-        + " ".join("-" if x is None else f"{x:.2f}" for x in by_position) + f" | {rec['eval_time_s']:.1f} s"
-        + (f" | peak mem {rec['peak_mem_gib']:.1f} GiB" if cfg.device == "cuda" else ""))
-    if eval_log:
-        eval_log.write(rec)
-    return rec
-
-
-def evaluate_only(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, log) -> int:
-    """--eval_only true: build --model (with --yarn_factor if given) sharded as for training, evaluate it once
-    at --seq_len, add a row (step 0) to out_dir/eval.jsonl. No optimizer, no training data, no checkpoint."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from parallel import RingAttention, zigzag_positions
-    dp = world // cp
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-    torch.manual_seed(cfg.seed)
-    mesh = init_device_mesh(cfg.device, (dp, cp), mesh_dim_names=("dp", "cp"))
-    attn = RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
-    model, mcfg, path, _ = build_model(cfg, given, init_device_mesh(cfg.device, (world,)), attn,
-                                       getattr(torch, cfg.dtype), device, log)
-    log(f"eval only: {cfg.model}, rope_scaling {mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
-        f"{cfg.seq_len:,} tokens from {cfg.eval_data or cfg.data} ({cfg.eval_split})")
-    positions = zigzag_positions(cfg.seq_len, rank % cp, cp, device=device)[None]   # [1, T/cp]
-    evaluate(cfg, model, mcfg, path, positions, mesh.get_group("cp"), 0, open_eval_log(cfg, sys.maxsize), log)
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
+import parallel  # noqa: E402
 import train  # noqa: E402
 
 kind, *nums = os.environ.get("FAULT", "none").split(":")
@@ -39,7 +40,7 @@ def lr_at(step, cfg):  # called once per step, just before train_step: tells the
 
 
 train.lr_at = lr_at
-_clip = train.clip_grad_norm_
+_clip = parallel.clip_grad_norm_
 
 
 def clip_grad_norm_(params, max_norm):
@@ -53,7 +54,7 @@ def clip_grad_norm_(params, max_norm):
     return _clip(params, max_norm)
 
 
-train.clip_grad_norm_ = clip_grad_norm_
+parallel.clip_grad_norm_ = clip_grad_norm_  # train.py calls it as parallel.clip_grad_norm_
 
 if kind == "kill_in_save":
     import torch.distributed.checkpoint as dcp

@@ -44,7 +44,7 @@ def test_context_parallel_degree_does_not_change_the_math(tmp_path):
     same_steps(cp1, cp2)
     same_steps(cp1, cp4)
     assert cp1[-1]["loss"] < cp1[0]["loss"]  # and it learns
-    for k in ("step", "loss", "grad_norm", "num_tokens", "lr", "step_time_s", "tokens_per_s", "peak_mem_gb"):
+    for k in ("step", "loss", "grad_norm", "num_tokens", "lr", "step_time_s", "tokens_per_s", "peak_mem_gib"):
         assert k in cp1[0]
 
 
@@ -59,9 +59,9 @@ def test_data_parallel_equals_gradient_accumulation(tmp_path):
 
 
 def test_levers_on_do_not_change_the_run(tmp_path):
-    plain = run(tmp_path, 2, "--checkpoint", "false", "--offload", "false", "--tiled_mlp", "false",
+    plain = run(tmp_path, 2, "--recompute", "false", "--offload", "false", "--tiled_mlp", "false",
                 "--keep_attention", "false")
-    levers = run(tmp_path, 2, "--checkpoint", "true", "--offload", "true", "--tiled_mlp", "true", "--mlp_tile", "50",
+    levers = run(tmp_path, 2, "--recompute", "true", "--offload", "true", "--tiled_mlp", "true", "--mlp_tile", "50",
                  "--keep_attention", "true", "--offload_layers", "1")
     same_steps(plain, levers)
 

@@ -23,6 +23,9 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+import model as M
+from model import pinned_size
+
 # Fitted by fit() (`python plan.py --fit`) to the runs in FIT_FILES: relative least squares. Their errors are
 # printed by `python plan.py --fit`; runs outside the fit by `python plan.py --check` (bench/NOTES.md has both).
 ATTN_TFLOPS = dict(cudnn=527.6, fa4=610.6)  # attention kernels, forward and backward, by backend (kernel
@@ -99,13 +102,6 @@ def kept_bytes(s: Shape):
     """Per block, for this rank's tokens: (its input, attention's output, attention's fp32 lse), each a tensor."""
     return (s.tokens * s.hidden * s.act_bytes, s.tokens * s.heads * s.head_dim * s.act_bytes,
             s.tokens * s.heads * 4)
-
-
-def pinned_size(nbytes: int) -> int:
-    """What torch's pinned-memory allocator (CachingHostAllocator) takes for a buffer: it rounds every allocation
-    up to a power of two. At Qwen3-4B's hidden 2560 a block input of 0.625 GiB takes 1 GiB; at the 8B's 4096 and
-    power-of-two lengths nothing is lost."""
-    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def host_bytes(s: Shape, lv: Levers, pinned: bool = True) -> float:
@@ -223,7 +219,6 @@ def measured_runs(files, root=os.path.join(os.path.dirname(os.path.abspath(__fil
     """[(Shape, Levers, s/step, peak GiB, name)] of the runs in bench/results/<files>. A run names its levers
     (offload_layers, keep_attention_layers); older files without them offloaded every block and kept attention
     unless their flags said otherwise."""
-    import model as M
     runs = []
     for f in files:
         path = os.path.join(root, "results", f)
@@ -324,7 +319,6 @@ if __name__ == "__main__":
         for name, dt, dm in fit() if a.fit else check():
             print(f"{name:<52} time {dt:+6.1%}   GPU memory {dm:+6.1%}")
     else:
-        import model as M
         world = a.nproc * a.nodes
         s = Shape.of(M.Qwen3Config.from_pretrained(a.model), a.seq_len, a.cp or world, world, a.nproc,
                      param_bytes=4 if a.param_dtype == "float32" else 2, attn_backend=a.attn_backend)

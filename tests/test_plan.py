@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import plan
-from model import Qwen3, Qwen3Config
+from model import Qwen3, Qwen3Config, pinned_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9 / 2**30  # GiB per GB
@@ -119,7 +119,7 @@ def test_pinned_host_bytes_are_what_host_offload_holds():
 def test_pinned_sizes_are_rounded_as_torch_rounds_them():
     """torch's CachingHostAllocator takes the next power of two: Qwen3-4B's 131k-token block input (0.625 GiB)
     takes 1 GiB; Qwen3-8B's (1 GiB) and its attention output (1 GiB) and lse (16 MiB) lose nothing."""
-    assert [plan.pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+    assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
     s4 = shape("qwen3-4b", 131072, 1, 1, 1)
     assert plan.host_bytes(s4, plan.Levers(36, 36)) == 36 * (2**30 + 2**30 + 2**24)
     assert plan.host_bytes(s4, plan.Levers(36, 36), pinned=False) == 36 * (0.625 * 2**30 + 2**30 + 2**24)

@@ -24,9 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# addmm_fp32_ lives beside the loss, its first user; the tiled MLP's weight gradients use it too. (In
-# model.py it would make loss.py import the model, which imports the loss.)
-from loss import addmm_fp32_, chunked_nll
+from loss import addmm_fp32_, chunked_nll  # the tiled MLP's weight gradients share the loss's fp32 GEMM
 
 HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 
@@ -481,9 +479,7 @@ class HostOffload:
             buf.copy_(x, non_blocking=True)
             self.copied[key[0]] = stream.record_event()
         x.record_stream(stream)  # the allocator must not hand x's memory out before the copy has read it
-        # The CPU waits for the copies of two blocks back. Unchecked, it queued ~13 blocks' forward ahead of the
-        # GPU, and each queued block's kept tensors, though freed, could not be reused until their copy ran: the
-        # allocator held 21 GiB of them at the Qwen3-4B/131k forward (bench/NOTES.md). Two back keeps the GPU fed.
+        # Wait for the copies two blocks back, else the CPU runs ahead and freed tensors pile up (bench/NOTES.md, v5)
         earlier = self.copied.pop(key[0] - 2, None)
         if earlier is not None:
             earlier.synchronize()
@@ -493,10 +489,7 @@ class HostOffload:
         stream = self._side_stream(device)
         if stream is None:
             return buf.clone(), None
-        # Allocated on the compute stream, filled on the side stream. Memory of the compute stream is reused in
-        # stream order: however far the CPU runs ahead in backward, only the blocks the GPU is at hold fetched
-        # tensors. (Allocated on the side stream, each would stay reserved until the compute stream caught up,
-        # and with the CPU ~3 blocks ahead that was 3.3 GiB more in the Qwen3-4B/131k backward: bench/NOTES.md.)
+        # Allocated on the compute stream: reused in its order, however far the CPU runs ahead (bench/NOTES.md, v4)
         x = torch.empty_like(buf, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -555,8 +548,7 @@ def _rms_norm_backward(dy, x, w, rstd):
 
 class _RMSNormFn(torch.autograd.Function):
     """RMSNorm keeping only x and rstd for backward. Autograd of the same formula keeps fp32 copies of x
-    (2.5 GiB each for a 131k x 2560 input, Qwen3-4B's width); this Function took 4.4 GiB off the Qwen3-4B peak
-    at 131k tokens (bench/NOTES.md)."""
+    (1.25 GiB each for a 131k x 2560 input, Qwen3-4B's width): 4.4 GiB off the Qwen3-4B/131k peak (bench/NOTES.md)."""
 
     @staticmethod
     def forward(ctx, x, w, eps):

@@ -333,19 +333,17 @@ class Qwen3(nn.Module):
         return self
 
     @classmethod
-    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention):
+    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention,
+                        seed: int = 0):
+        """An HF Qwen3 folder or hub id -> the model in dtype on device; a folder with only a config.json gives
+        weights drawn from `seed` (load_or_init_state_dict)."""
         path = local_folder(path_or_hub_id)
         cfg = Qwen3Config.from_pretrained(path)
         with torch.device("meta"):
             model = cls(cfg, attn_fn)
-        model.to_empty(device=device)
-        sd = load_hf_state_dict(path, list(model.state_dict()), dtype)
-        if sd is None:
-            warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation.")
-            model.init_weights()
-            return model.to(dtype)
-        model.load_state_dict(sd)
-        return model.to(dtype)
+        sd = load_or_init_state_dict(path, cfg, list(model.state_dict()), dtype, seed, device)
+        model.load_state_dict({n: t.to(device) for n, t in sd.items()}, assign=True)
+        return model
 
     def save_pretrained(self, out_dir: str, state_dict=None, max_shard_bytes: int = HF_SHARD_BYTES):
         save_hf(out_dir, self.cfg, state_dict if state_dict is not None else self.state_dict(), max_shard_bytes)
@@ -677,6 +675,22 @@ def load_hf_state_dict(path: str, names: list[str], dtype) -> dict | None:
     if extra:
         raise ValueError(f"{path}: checkpoint has weights this Qwen3 does not, e.g. {extra[:3]}")
     return {n: tensors[h].to(dtype) for n, h in want.items()}
+
+
+def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str], dtype, seed: int,
+                            device) -> dict:
+    """The full state dict {name: tensor in dtype}: read from path's *.safetensors (on the CPU), or drawn on
+    `device` by init_weights from `seed` where there are none (path None, or a folder with only a config.json,
+    with a warning). The draw is the same for any world size: runs at different cp agree on it."""
+    sd = load_hf_state_dict(path, names, dtype) if path else None
+    if sd is not None:
+        return sd
+    if path:
+        warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation")
+    with torch.device(device):
+        ref = Qwen3(mcfg).to(dtype)
+    ref.init_weights(torch.Generator(device).manual_seed(seed))
+    return ref.state_dict()
 
 
 def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):

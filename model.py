@@ -5,7 +5,8 @@
 2. Memory levers: what lets one sequence of a million tokens fit. Custom autograd Functions that keep less
    than autograd would (RMSNorm, RoPE, the tiled MLP), and the recomputed block, whose kept tensors can live
    in pinned host memory (HostOffload). The whole life of a recomputed block is told once, in that section.
-3. HF I/O: safetensors load and save in the layout transformers reads.
+3. HF I/O: safetensors load and save in the layout transformers reads, and load_or_init_state_dict, the one
+   place where weights are read or drawn.
 
 The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
 (causal SDPA on one device, the ring of parallel.py under context parallelism).
@@ -355,11 +356,11 @@ class Qwen3(nn.Module):
 #
 # The life of a recomputed block (Block.recompute; train.py --recompute), told once.
 #
-# Forward (_RecomputedBlock.forward, under no_grad): the block runs and nothing inside it is kept for
-# backward but its input x [B, T, H]. With keep_attention, the attention also hands back its output and
-# log-sum-exp, through attn_fn.fwd(q, k, v) -> (out [B, Hq, T, D], lse [B, Hq, T] fp32) (_KeptAttention):
-# attention is most of a block's cost at long sequence, and these two tensors let backward skip it. What is
-# kept goes to pinned host memory when the block has an offload (HostOffload), else it stays on the GPU.
+# Forward (_RecomputedBlock.forward, under no_grad): the block keeps only its input x [B, T, H]. With
+# keep_attention, attention also hands back its output and log-sum-exp through attn_fn.fwd(q, k, v) ->
+# (out [B, Hq, T, D], lse [B, Hq, T] fp32) (_KeptAttention): attention is most of a block's cost at long
+# sequence, and these two let backward skip it. What is kept goes to pinned host memory when the block has an
+# offload (HostOffload), else it stays on the GPU.
 #
 # Backward (_RecomputedBlock.backward): the kept tensors come back (the offload brings block i-1's while block
 # i runs), and the block runs again with grad on, to rebuild its graph:
@@ -370,7 +371,7 @@ class Qwen3(nn.Module):
 #     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
 # Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are
 # not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as reentrant checkpointing
-# does), which FSDP2's post-backward hook then reduce-scatters.
+# does), and FSDP2's post-backward hook reduce-scatters them.
 
 
 class _KeptAttention:
@@ -444,12 +445,12 @@ class _RecomputedBlock(torch.autograd.Function):
 
 
 class HostOffload:
-    """Keeps what the recomputed blocks keep (inputs, attention outputs) in pinned host memory between forward
-    and backward, under keys (block index, name).
+    """What the recomputed blocks keep (inputs, attention outputs), in pinned host memory between forward and
+    backward, under keys (block index, name).
 
-    Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: the
-    tensors of block i-1 are brought back while block i recomputes and runs backward. The pinned buffers are
-    reused from step to step. On CPU it still copies (so the CPU tests exercise the same code)."""
+    Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: block
+    i-1's tensors come back while block i recomputes and runs backward. The pinned buffers are reused from step
+    to step. On CPU it still copies, so the CPU tests run the same code."""
 
     def __init__(self):
         self.host = {}       # (block index, name) -> pinned host buffer

@@ -141,7 +141,7 @@ def attention_flops(s: Shape, lv: Levers) -> float:
 
 def gemm_flops(s: Shape) -> float:
     """GEMM FLOPs one rank runs in a step: the blocks' forward, backward (2x) and the recompute's forward; the
-    head's forward and backward (the loss runs it once)."""
+    head's forward and backward, never recomputed (the loss runs it once)."""
     return 2 * s.tokens * (4 * s.layers * s.block_matmul_params + 3 * s.hidden * s.vocab)
 
 

@@ -5,9 +5,8 @@ fp32). Instead the rows go through a chunk at a time and each chunk's gradients 
 the forward pass, so that backward only scales two saved tensors: 3 matmuls per chunk (logits, dH, dW) instead
 of the 4 of a loss that recomputes the logits in backward. Operands stay in the input dtype (bf16 on tensor
 cores), log-sum-exp and softmax are done in fp32, and grad_weight is accumulated across chunks in fp32.
-On an H200, 16,384 rows x V 151,936 x H 4,096 in bf16 take 110 ms fwd+bwd and 4.2 GiB beyond inputs and
-grads, against 120 ms and 27.8 GiB with full logits; the three matmuls alone take 92 ms
-(python bench/bench_loss.py -> bench/results/loss.json).
+Its time and memory on an H200, by chunk size, against full logits and the three matmuls alone:
+bench/results/loss.json.
 
     loss_sum, n_valid = chunked_nll(hidden, lm_head.weight, labels)   # hidden [N, H], labels [N]
     (loss_sum / n_valid).backward()
@@ -15,7 +14,8 @@ grads, against 120 ms and 27.8 GiB with full logits; the three matmuls alone tak
 The result also carries each row's NLL (`.row_nll`, [N] fp32, 4 bytes a row), a by-product of the chunk loop:
 train.py sums it by position in the sequence to show whether later tokens gain from the long context.
 
-Exercised by `python -m pytest tests/test_loss.py -q` (CPU) and `python bench/bench_loss.py` (H200).
+Exercised by `python -m pytest tests/test_loss.py -q` (CPU) and `python bench/bench_loss.py` (H200, writes the
+results file).
 """
 import dataclasses
 import functools
@@ -46,8 +46,8 @@ def _nll_and_dlogits(x, y, grad_dtype):
     """-log softmax(x)[y] per row, and dlogits = softmax(x) - onehot(y) in grad_dtype; the math in fp32.
 
     x [c, V] fp32 logits, y [c, 1] targets -> ([c] fp32, [c, V] grad_dtype). Written as plain formulas so
-    that torch.compile fuses them into one kernel that reads x twice and writes dlogits once (the fused and the
-    op-by-op versions were not timed apart; the whole loss is in bench/results/loss.json).
+    that torch.compile fuses them into one kernel that reads x twice and writes dlogits once (not timed apart
+    from the op-by-op version).
     """
     m = x.amax(1, keepdim=True)                                                                 # [c, 1]
     e = torch.exp(x - m)                                                                        # [c, V]
@@ -141,9 +141,8 @@ def chunked_nll(hidden, weight, labels, ignore_index=-100, chunk_size=2048) -> N
     connected to the graph (also when every label is ignored: under FSDP every rank must run the same backward)
     and an int64 scalar, so that ranks can divide by the global count of target tokens; plus `.row_nll` [N]
     fp32: each row's NLL (0 where ignored), whose sum is loss_sum.
-    Memory: an fp32 [V, H] grad_weight accumulator plus 6 * chunk_size * V bytes. The default chunk, 2,048
-    rows, is 1.7 GiB of temporaries at V = 151,936 (8,192 rows: 7 GiB) and costs 5% in time against 8,192 on
-    16,384 rows (110 vs 104 ms, H200; the three matmuls alone take 92 ms): bench/bench_loss.py.
+    Memory: an fp32 [V, H] grad_weight accumulator plus 6 * chunk_size * V bytes. The default, 2,048 rows, is
+    1.7 GiB of temporaries at V = 151,936, and only a few % slower than 8,192 rows (7 GiB).
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")

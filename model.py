@@ -5,7 +5,8 @@
 2. Memory levers: what lets one sequence of a million tokens fit. Custom autograd Functions that keep less
    than autograd would (RMSNorm, RoPE, the tiled MLP), and the recomputed block, whose kept tensors can live
    in pinned host memory (HostOffload). The whole life of a recomputed block is told once, in that section.
-3. HF I/O: safetensors load and save in the layout transformers reads.
+3. HF I/O: safetensors load and save in the layout transformers reads, and load_or_init_state_dict, the one
+   place where weights are read or drawn.
 
 The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
 (causal SDPA on one device, the ring of parallel.py under context parallelism).
@@ -24,9 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# addmm_fp32_ lives beside the loss, its first user; the tiled MLP's weight gradients use it too. (In
-# model.py it would make loss.py import the model, which imports the loss.)
-from loss import addmm_fp32_, chunked_nll
+from loss import addmm_fp32_, chunked_nll  # the tiled MLP's weight gradients share the loss's fp32 GEMM
 
 HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 
@@ -338,19 +337,17 @@ class Qwen3(nn.Module):
         return self
 
     @classmethod
-    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention):
+    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention,
+                        seed: int = 0):
+        """An HF Qwen3 folder or hub id -> the model in dtype on device; a folder with only a config.json gives
+        weights drawn from `seed` (load_or_init_state_dict)."""
         path = local_folder(path_or_hub_id)
         cfg = Qwen3Config.from_pretrained(path)
         with torch.device("meta"):
             model = cls(cfg, attn_fn)
-        model.to_empty(device=device)
-        sd = load_hf_state_dict(path, list(model.state_dict()), dtype)
-        if sd is None:
-            warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation.")
-            model.init_weights()
-            return model.to(dtype)
-        model.load_state_dict(sd)
-        return model.to(dtype)
+        sd = load_or_init_state_dict(path, cfg, list(model.state_dict()), dtype, seed, device)
+        model.load_state_dict({n: t.to(device) for n, t in sd.items()}, assign=True)
+        return model
 
     def save_pretrained(self, out_dir: str, state_dict=None, max_shard_bytes: int = HF_SHARD_BYTES):
         save_hf(out_dir, self.cfg, state_dict if state_dict is not None else self.state_dict(), max_shard_bytes)
@@ -362,11 +359,11 @@ class Qwen3(nn.Module):
 #
 # The life of a recomputed block (Block.recompute; train.py --recompute), told once.
 #
-# Forward (_RecomputedBlock.forward, under no_grad): the block runs and nothing inside it is kept for
-# backward but its input x [B, T, H]. With keep_attention, the attention also hands back its output and
-# log-sum-exp, through attn_fn.fwd(q, k, v) -> (out [B, Hq, T, D], lse [B, Hq, T] fp32) (_KeptAttention):
-# attention is most of a block's cost at long sequence, and these two tensors let backward skip it. What is
-# kept goes to pinned host memory when the block has an offload (HostOffload), else it stays on the GPU.
+# Forward (_RecomputedBlock.forward, under no_grad): the block keeps only its input x [B, T, H]. With
+# keep_attention, attention also hands back its output and log-sum-exp through attn_fn.fwd(q, k, v) ->
+# (out [B, Hq, T, D], lse [B, Hq, T] fp32) (_KeptAttention): attention is most of a block's cost at long
+# sequence, and these two let backward skip it. What is kept goes to pinned host memory when the block has an
+# offload (HostOffload), else it stays on the GPU.
 #
 # Backward (_RecomputedBlock.backward): the kept tensors come back (the offload brings block i-1's while block
 # i runs), and the block runs again with grad on, to rebuild its graph:
@@ -377,7 +374,7 @@ class Qwen3(nn.Module):
 #     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
 # Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are
 # not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as reentrant checkpointing
-# does), which FSDP2's post-backward hook then reduce-scatters.
+# does), and FSDP2's post-backward hook reduce-scatters them.
 
 
 class _KeptAttention:
@@ -451,12 +448,12 @@ class _RecomputedBlock(torch.autograd.Function):
 
 
 class HostOffload:
-    """Keeps what the recomputed blocks keep (inputs, attention outputs) in pinned host memory between forward
-    and backward, under keys (block index, name).
+    """What the recomputed blocks keep (inputs, attention outputs), in pinned host memory between forward and
+    backward, under keys (block index, name).
 
-    Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: the
-    tensors of block i-1 are brought back while block i recomputes and runs backward. The pinned buffers are
-    reused from step to step. On CPU it still copies (so the CPU tests exercise the same code)."""
+    Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: block
+    i-1's tensors come back while block i recomputes and runs backward. The pinned buffers are reused from step
+    to step. On CPU it still copies, so the CPU tests run the same code."""
 
     def __init__(self):
         self.host = {}       # (block index, name) -> pinned host buffer
@@ -484,9 +481,7 @@ class HostOffload:
             buf.copy_(x, non_blocking=True)
             self.copied[key[0]] = stream.record_event()
         x.record_stream(stream)  # the allocator must not hand x's memory out before the copy has read it
-        # The CPU waits for the copies of two blocks back. Unchecked, it queued ~13 blocks' forward ahead of the
-        # GPU, and each queued block's kept tensors, though freed, could not be reused until their copy ran: the
-        # allocator held 21 GiB of them at the Qwen3-4B/131k forward (bench/NOTES.md). Two back keeps the GPU fed.
+        # Wait for the copies two blocks back, else the CPU runs ahead and freed tensors pile up (bench/NOTES.md, v5)
         earlier = self.copied.pop(key[0] - 2, None)
         if earlier is not None:
             earlier.synchronize()
@@ -496,10 +491,7 @@ class HostOffload:
         stream = self._side_stream(device)
         if stream is None:
             return buf.clone(), None
-        # Allocated on the compute stream, filled on the side stream. Memory of the compute stream is reused in
-        # stream order: however far the CPU runs ahead in backward, only the blocks the GPU is at hold fetched
-        # tensors. (Allocated on the side stream, each would stay reserved until the compute stream caught up,
-        # and with the CPU ~3 blocks ahead that was 3.3 GiB more in the Qwen3-4B/131k backward: bench/NOTES.md.)
+        # Allocated on the compute stream: reused in its order, however far the CPU runs ahead (bench/NOTES.md, v4)
         x = torch.empty_like(buf, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -519,9 +511,14 @@ class HostOffload:
 
     def host_bytes(self):
         """Host memory the buffers take: pinned ones as torch's pinned allocator holds them (a power of two)."""
-        import plan
-        return sum((plan.pinned_size if b.is_pinned() else int)(b.numel() * b.element_size())
-                   for b in self.host.values())
+        return sum((pinned_size if b.is_pinned() else int)(b.numel() * b.element_size()) for b in self.host.values())
+
+
+def pinned_size(nbytes: int) -> int:
+    """What torch's pinned-memory allocator (CachingHostAllocator) takes for a buffer: it rounds every allocation
+    up to a power of two. At Qwen3-4B's hidden 2560 a block input of 0.625 GiB takes 1 GiB; at the 8B's 4096 and
+    power-of-two lengths nothing is lost."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 # --- Functions that keep less than autograd would --------------------------------------------
@@ -553,8 +550,7 @@ def _rms_norm_backward(dy, x, w, rstd):
 
 class _RMSNormFn(torch.autograd.Function):
     """RMSNorm keeping only x and rstd for backward. Autograd of the same formula keeps fp32 copies of x
-    (2.5 GiB each for a 131k x 2560 input, Qwen3-4B's width); this Function took 4.4 GiB off the Qwen3-4B peak
-    at 131k tokens (bench/NOTES.md)."""
+    (1.25 GiB each for a 131k x 2560 input, Qwen3-4B's width): 4.4 GiB off the Qwen3-4B/131k peak (bench/NOTES.md)."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -683,6 +679,22 @@ def load_hf_state_dict(path: str, names: list[str], dtype) -> dict | None:
     if extra:
         raise ValueError(f"{path}: checkpoint has weights this Qwen3 does not, e.g. {extra[:3]}")
     return {n: tensors[h].to(dtype) for n, h in want.items()}
+
+
+def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str], dtype, seed: int,
+                            device) -> dict:
+    """The full state dict {name: tensor in dtype}: read from path's *.safetensors (on the CPU), or drawn on
+    `device` by init_weights from `seed` where there are none (path None, or a folder with only a config.json,
+    with a warning). The draw is the same for any world size: runs at different cp agree on it."""
+    sd = load_hf_state_dict(path, names, dtype) if path else None
+    if sd is not None:
+        return sd
+    if path:
+        warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation")
+    with torch.device(device):
+        ref = Qwen3(mcfg).to(dtype)
+    ref.init_weights(torch.Generator(device).manual_seed(seed))
+    return ref.state_dict()
 
 
 def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):

@@ -43,21 +43,12 @@ def zigzag_positions(seq_len, rank, world, device=None):
 # The attention kernels
 # ---------------------------------------------------------------------------------------------
 
-# Flash-style kernels that return the log-sum-exp of each query row and never build the [Tq, Tk] scores. All
-# take GQA as is (fewer K/V heads than Q heads; dK/dV come back with the K/V head count) and any layout whose
-# last dim is contiguous: the model passes [B, T, H, D] memory seen as [B, H, T, D] (a .contiguous() here copied
-# q, k, v and dout in every layer), which is FlashAttention's own [B, T, H, D] layout after a transpose.
-#   fa4:   FlashAttention-4 (`pip install flash-attn-4`, CuTe DSL kernels for sm90+). On an H200 at 32 q / 8 kv
-#          heads, d 128 (bench/fa4_attn.py), fwd / fwd+bwd TFLOP/s: causal 131k 671 / 622 against cuDNN's
-#          558 / 539; a ring's non-causal block (q 65k x kv 131k) 631 / 621 against 611 / 555. Each kernel
-#          variant compiles on its first call (2-5 s; the very first also loads the DSL, 15 s in all). Its
-#          backward accumulates dQ with atomics, so its gradients are not bit-reproducible (cuDNN's are).
-#   cudnn: PyTorch's cuDNN attention op, the fastest that ships with PyTorch on H100/H200.
-#   flash: PyTorch's flash attention op (FlashAttention-2), ~1.7x slower than cuDNN on an H200; where cuDNN
-#          refuses an input it runs instead.
-#   cpu:   PyTorch's CPU flash op, whatever the backend, for CPU tensors (the whole ring runs under gloo in CI).
-# All are checked against an fp64 oracle (tests/test_ring.py on CPU, tests/test_fa4.py and bench/ring_sim.py on
-# a GPU). The backend is chosen once (RingAttention, resolve_backend) and passed down to every call.
+# Kernels that return each query row's log-sum-exp (the ring merges with it) and take GQA and the model's
+# [B, T, H, D] memory seen as [B, H, T, D] as they are: a .contiguous() here copied q, k, v and dout in every layer.
+# Chosen once (resolve_backend): fa4 (FlashAttention-4, sm90+: the fastest; compiles each variant on first call;
+# gradients not bit-reproducible: bench/results/fa4_attn.json), cudnn (the fastest in PyTorch), flash
+# (FlashAttention-2, where cuDNN refuses an input: ~1.7x cuDNN's time, bench/results/flash_attn.json), cpu (CPU
+# tensors, whatever the backend: the whole ring runs under gloo in CI).
 ATTN_BACKENDS = ("auto", "fa4", "cudnn", "flash")
 _warned = set()
 
@@ -145,16 +136,12 @@ def _attn_fwd(q, k, v, causal, backend="auto"):
             if not _cudnn_refused(e):
                 raise
             _warn_once("forward", f"cuDNN attention refused an input in forward ({str(e)[:200]}); such "
-                       "inputs run on flash attention, ~1.7x slower on an H200")
+                       "inputs run on flash attention, slower")
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
 
 
-# The attention backward needs, besides dq/dk/dv, a workspace that grows with heads x length (an fp32 dQ
-# accumulator, 2 GiB for 32 heads x 131k tokens, and, in cuDNN and FA4 under GQA, more): it was the largest
-# item at the training step's memory peak. Heads are independent, so the backward runs over groups of heads,
-# one kernel call each, into gradients allocated whole. Measured on an H200 at 131k tokens, 32 q / 8 kv heads
-# (bench/attn_heads.py, bench/fa4_attn.py), one call -> 4 query heads per call: cuDNN 5.5 -> 2.4 GiB, 657 -> 658 ms;
-# FA4 4.5 -> 2.25 GiB, 574 ms both; Qwen3-1.7B's 16 heads (cuDNN) 3.0 -> 2.0 GiB, +1.2% time.
+# The backward's workspace grows with heads x length and was the largest item at the step's memory peak; heads are
+# independent, so it runs a few at a time (cuDNN at 131k: 5.5 -> 2.4 GiB, same time: bench/results/attn_heads.json).
 BWD_QUERY_HEADS_PER_CALL = 4
 
 
@@ -175,7 +162,7 @@ def _attn_bwd_call(dout, q, k, v, out, lse, causal, kernels):
             if not _cudnn_refused(e):
                 raise
             _warn_once("backward", f"cuDNN attention refused an input in backward ({str(e)[:200]}); such "
-                       "inputs run on flash attention, ~1.7x slower on an H200")
+                       "inputs run on flash attention, slower")
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, None, None, tq, tk, 0.0, causal, rng, rng)
 
@@ -408,8 +395,12 @@ def shard_model(model, mesh, param_dtype, reduce_dtype=torch.float32):
     return model
 
 
-def _local(t):
+def local_shard(t):
+    """This rank's part of a DTensor (an FSDP2 parameter or gradient); a plain tensor as is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+_local = local_shard  # the old name, still imported by train.all_finite
 
 
 @torch.no_grad()
@@ -417,7 +408,7 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
     """Clip the global gradient norm of FSDP-sharded parameters; returns the norm before clipping (fp32).
 
     Each rank holds disjoint shards, so the squared norms of the local shards sum to the global one."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None]
     sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
     if dist.is_initialized():
         dist.all_reduce(sq, group=group)

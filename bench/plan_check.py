@@ -3,7 +3,7 @@ step 1; this runs it and puts the predictions beside what the run measured.
 
     python bench/plan_check.py --nproc 2 --model qwen3-8b --seq_len 524288 --steps 1
     python bench/plan_check.py --nproc 1 --model qwen3-4b --seq_len 131072 --extra "--param_dtype bfloat16"
-    python plan.py --check          # the errors of every run recorded here, with the constants of the day
+    python bench/fit_plan.py --check   # the errors of every run recorded here, with the constants of the day
 
 Random-init shapes from bench/configs, synthetic tokens, no checkpoints; every rank of one sequence (cp = nproc)
 unless --extra says --cp. Each run is appended to --out (a run with the same model, length, world, dtype,

@@ -452,3 +452,27 @@ def test_host_offload_keeps_the_memory_layout():
     off.save((0, "out"), x)
     y = off.load((0, "out"), x.device)
     assert torch.equal(y, x) and y.stride() == x.stride()
+
+
+def test_load_or_init_state_dict_reads_or_draws_from_the_seed(tmp_path):
+    """A folder with weights gives them as saved; none (a tiny run) or a config-only folder gives init_weights'
+    draw from the seed, in the dtype asked for: the draw train.py makes on every world size."""
+    src = write_checkpoint(tmp_path / "a", "new")
+    names = list(src.state_dict())
+    sd = M.load_or_init_state_dict(str(tmp_path / "a"), src.cfg, names, torch.bfloat16, 0, "cpu")
+    for k, v in src.state_dict().items():
+        assert torch.equal(sd[k], v.to(torch.bfloat16)), k
+    cfg = Qwen3Config.tiny(num_attention_heads=5, num_key_value_heads=1, head_dim=12, vocab_size=301)
+    ref = Qwen3(cfg).to(torch.bfloat16)
+    ref.init_weights(torch.Generator("cpu").manual_seed(7))
+    drawn = M.load_or_init_state_dict(None, cfg, list(ref.state_dict()), torch.bfloat16, 7, "cpu")
+    assert drawn.keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert drawn[k].dtype == torch.bfloat16 and torch.equal(drawn[k], v), k
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    with pytest.warns(UserWarning, match="no \\*.safetensors: random initialisation"):
+        m = Qwen3.from_pretrained(str(tmp_path / "b"), dtype=torch.bfloat16, seed=7)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v), k
+    assert all(p.requires_grad and p.device.type == "cpu" for p in m.parameters())

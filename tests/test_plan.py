@@ -1,5 +1,6 @@
-"""plan.py: the cost model against the runs it was fitted to, the planner against a brute-force search under the
-same model, the pinned-host figure against what HostOffload really holds, and --fit auto in train.py."""
+"""plan.py: the cost model against the runs it was fitted to (bench/fit_plan.py), the FLOPs MFU counts against a
+hand count and torch's FLOP counter, the planner against a brute-force search under the same model, the pinned-host
+figure against what HostOffload really holds, and --fit auto in train.py."""
 import ast
 import itertools
 import json
@@ -9,11 +10,14 @@ import sys
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import plan
-from model import Qwen3, Qwen3Config
+from model import Qwen3, Qwen3Config, pinned_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import fit_plan  # noqa: E402
 GB = 1e9 / 2**30  # GiB per GB
 
 
@@ -23,16 +27,16 @@ def shape(name="qwen3-8b", seq_len=1_048_576, cp=8, world=8, per_node=8, param_b
 
 
 def test_the_constants_are_the_fit_of_the_measured_runs():
-    """The constants in plan.py are what fit() gets from bench/results (not stale), and they predict every run
-    within 7% in time and 6% in GPU memory."""
+    """plan.FITTED is what bench/fit_plan.py fits to bench/results (not stale), and it predicts every run within 7%
+    in time and 6% in GPU memory."""
     import contextlib
     import io
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        errs = plan.fit()
+        errs = fit_plan.fit()
     fitted = {name: ast.literal_eval(value) for name, value in
               (line.split(" = ") for line in out.getvalue().splitlines())}
     for name, value in fitted.items():
-        assert value == pytest.approx(getattr(plan, name), rel=2e-3), name
+        assert value == pytest.approx(getattr(plan.FITTED, name), rel=2e-3), name
     assert len(errs) == 16 and sum(" fa4 " in name for name, _, _ in errs) == 3
     for name, dt, dm in errs:
         assert abs(dt) < 0.07 and abs(dm) < 0.06, (name, dt, dm)
@@ -41,11 +45,50 @@ def test_the_constants_are_the_fit_of_the_measured_runs():
 def test_out_of_sample_errors():
     """Each run predicted by constants fitted without it, and the runs no fit has seen: time within 10% (but the
     one-step 524k run, whose only step includes pinning 109 GiB of host memory), GPU memory within 6%."""
-    errs = plan.check()
+    errs = fit_plan.check()
     assert len(errs) == 18
     for name, dt, dm in errs:
         assert abs(dm) < 0.06, (name, dm)
         assert abs(dt) < (0.12 if "524288" in name else 0.10), (name, dt)
+
+
+def test_useful_flops_are_a_hand_count():
+    """What MFU counts, against a count written out here: per token, 6 FLOPs per parameter of q, k, v, o, the MLP
+    and the head (no embedding lookup, no norms); causal attention 3 x 2 matmuls x 2 FLOPs x L^2/2 x 4096 per layer."""
+    h, qd, kvd, inter, vocab, layers = 4096, 32 * 128, 8 * 128, 12288, 151936, 36
+    for seq_len, cp in ((1_048_576, 8), (262_144, 2), (8_190, 1)):
+        per_token = layers * (h * qd + h * kvd + h * kvd + qd * h + 3 * h * inter) + h * vocab
+        attention = 3 * layers * 2 * 2 * qd * seq_len ** 2 / 2
+        assert plan.useful_flops(shape(seq_len=seq_len, cp=cp, world=cp)) == pytest.approx(
+            6 * per_token * seq_len + attention, rel=1e-15)
+    assert plan.useful_flops(shape()) == pytest.approx(1.0204e18, rel=1e-4)  # attention is 95% of it
+
+
+def test_useful_matmul_flops_are_what_torch_counts():
+    """The matmul part of useful_flops is FlopCounterMode's count of a forward + backward with the full logits, on a
+    tiny model of awkward sizes (5 query heads, 1 K/V head, vocabulary 301, 46 tokens). Attention is not in torch's
+    count on CPU; the hand count above checks it."""
+    cfg = Qwen3Config.tiny(num_attention_heads=5, num_key_value_heads=1, head_dim=12, vocab_size=301,
+                           num_hidden_layers=3)
+    m = Qwen3(cfg)
+    m.init_weights(torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg.vocab_size, (1, 46))
+    with FlopCounterMode(display=False) as counter:
+        m.logits(ids).sum().backward()
+    s = plan.Shape.of(cfg, 46, 1, 1, 1)
+    assert counter.get_total_flops() == plan.useful_flops(s) - 3 * plan.attention_fwd_flops(s)
+
+
+def test_the_cost_model_takes_its_constants_as_a_value():
+    """Constants passed in are the ones used; plan.FITTED stays as it was."""
+    s, lv = shape(), plan.Levers(20, 36)
+    twice = plan.Constants({b: 2 * r for b, r in plan.FITTED.attn_tflops.items()}, 2 * plan.FITTED.gemm_tflops, 0.0,
+                           plan.FITTED.work_bytes_per_token_hidden, plan.FITTED.ring_bytes_per_token_qdim)
+    base = plan.predict(s, lv)
+    faster = plan.predict(s, lv, twice)
+    other = plan.FITTED.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6
+    assert faster.step_s == pytest.approx((base.step_s - other) / 2, rel=1e-12)
+    assert faster.gpu_gib == base.gpu_gib and plan.predict(s, lv) == base
 
 
 def test_the_chosen_plan_is_the_fastest_that_fits():
@@ -119,7 +162,7 @@ def test_pinned_host_bytes_are_what_host_offload_holds():
 def test_pinned_sizes_are_rounded_as_torch_rounds_them():
     """torch's CachingHostAllocator takes the next power of two: Qwen3-4B's 131k-token block input (0.625 GiB)
     takes 1 GiB; Qwen3-8B's (1 GiB) and its attention output (1 GiB) and lse (16 MiB) lose nothing."""
-    assert [plan.pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+    assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
     s4 = shape("qwen3-4b", 131072, 1, 1, 1)
     assert plan.host_bytes(s4, plan.Levers(36, 36)) == 36 * (2**30 + 2**30 + 2**24)
     assert plan.host_bytes(s4, plan.Levers(36, 36), pinned=False) == 36 * (0.625 * 2**30 + 2**30 + 2**24)

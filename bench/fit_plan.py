@@ -1,0 +1,112 @@
+"""Fit plan.py's cost-model constants to the runs in bench/results/, and check them out of sample.
+
+    python bench/fit_plan.py --fit     # the constants that fit FIT_FILES best (for plan.FITTED), each run's error
+    python bench/fit_plan.py --check   # each run by constants fitted without it; then CHECK_FILES, never fitted
+
+The fit is relative least squares, time and memory apart: step time is linear in 1/attention rate (one per
+backend), 1/GEMM rate and the per-token-per-layer term; peak memory in the two per-token working sets.
+"""
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import plan  # noqa: E402
+from model import Qwen3Config  # noqa: E402
+
+FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json",
+             "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json")
+CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check_8b_524k.json")  # never fitted: see check()
+
+
+def measured_runs(files, root=os.path.join(ROOT, "bench")):
+    """[(Shape, Levers, s/step, peak GiB, name)] of the runs in bench/results/<files>. A run names its levers
+    (offload_layers, keep_attention_layers); older files without them offloaded every block and kept attention
+    unless their flags said otherwise (each of these fallbacks is still needed by a file above)."""
+    runs = []
+    for f in files:
+        path = os.path.join(root, "results", f)
+        if not os.path.exists(path):
+            continue
+        data = json.load(open(path))
+        for r in data["runs"] if isinstance(data, dict) else data:
+            mcfg = Qwen3Config.from_pretrained(os.path.join(root, "configs", r["model"]))
+            extra = r.get("extra", "")
+            fp32 = "float32" in extra or r.get("param_dtype") == "float32"
+            backend = r.get("backend") or ("fa4" if "--attn_backend fa4" in extra else "cudnn")
+            cp = r.get("cp", 1)
+            s = plan.Shape.of(mcfg, r["seq_len"], cp, r.get("world", cp), 1, param_bytes=4 if fp32 else 2,
+                              attn_backend=backend)
+            lv = plan.Levers(r.get("offload_layers", s.layers),
+                             r.get("keep_attention_layers", 0 if "keep_attention false" in extra else s.layers))
+            name = (f"{r['model']} {r['seq_len']} cp{cp}{' dp' + str(s.world // cp) if s.world > cp else ''} "
+                    f"{'fp32' if fp32 else 'bf16'} {backend} off {lv.offload_layers} keep {lv.keep_attention_layers}")
+            runs.append((s, lv, r["s_per_step"], r["peak_mem_gib"], name))
+    return runs
+
+
+def solve(runs, k: plan.Constants = plan.FITTED) -> plan.Constants:
+    """The constants that fit `runs` best; a backend no run used keeps its rate from k."""
+    backends = sorted({s.attn_backend for s, *_ in runs})
+    A, B, z = [], [], []
+    for s, lv, t, mem, _ in runs:
+        attn = plan.attention_flops(s, lv) / 1e12
+        A.append(np.array([attn * (b == s.attn_backend) for b in backends]
+                          + [plan.gemm_flops(s) / 1e12, s.layers * s.tokens / 1e6]) / t)
+        # gpu_bytes is linear in the two working sets: what it counts without them is known
+        per_constant = np.array([s.tokens * s.hidden, s.tokens * s.heads * s.head_dim * (s.cp > 1)])
+        known = plan.gpu_bytes(s, lv, replace(k, work_bytes_per_token_hidden=0, ring_bytes_per_token_qdim=0))
+        B.append(per_constant / (mem * 2**30))
+        z.append(1 - known / (mem * 2**30))
+    x = np.linalg.lstsq(np.array(A), np.ones(len(A)), rcond=None)[0]
+    w = np.linalg.lstsq(np.array(B), np.array(z), rcond=None)[0]
+    return plan.Constants(
+        attn_tflops={**k.attn_tflops, **{b: round(1 / float(x[i]), 1) for i, b in enumerate(backends)}},
+        gemm_tflops=round(1 / float(x[-2]), 1), other_s_per_mtoken_layer=round(float(x[-1]), 3),
+        work_bytes_per_token_hidden=round(float(w[0]), 1), ring_bytes_per_token_qdim=round(float(w[1]), 2))
+
+
+def errors(runs, k: plan.Constants = plan.FITTED):
+    """[(run, relative time error, relative GPU memory error)] under the constants k."""
+    out = []
+    for s, lv, t, mem, name in runs:
+        c = plan.predict(s, lv, k)
+        out.append((name, c.step_s / t - 1, c.gpu_gib / mem - 1))
+    return out
+
+
+def fit():
+    """Fit the constants to FIT_FILES; print them (copy them into plan.FITTED to keep them) and return each run's
+    error."""
+    runs = measured_runs(FIT_FILES)
+    fitted = solve(runs)
+    for name, value in vars(fitted).items():
+        print(f"{name} = {value}")
+    return errors(runs, fitted)
+
+
+def check():
+    """Errors out of sample: each run of FIT_FILES predicted by the constants fitted to all the others (leave one
+    out), then the runs of CHECK_FILES, which no fit has seen, by plan.FITTED."""
+    runs = measured_runs(FIT_FILES)
+    out = [errors([run], solve(runs[:i] + runs[i + 1:]))[0] for i, run in enumerate(runs)]
+    return out + [(name + " *", dt, dm) for name, dt, dm in errors(measured_runs(CHECK_FILES))]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fit", action="store_true", help="re-fit the constants to FIT_FILES, print the errors")
+    ap.add_argument("--check", action="store_true", help="out-of-sample errors: leave-one-out and CHECK_FILES")
+    a = ap.parse_args()
+    if not (a.fit or a.check):
+        ap.error("say --fit or --check")
+    if a.check:
+        print("each run predicted by constants fitted without it; * = a run outside the fit")
+    for name, dt, dm in fit() if a.fit else check():
+        print(f"{name:<52} time {dt:+6.1%}   GPU memory {dm:+6.1%}")

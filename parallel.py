@@ -400,7 +400,6 @@ def local_shard(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-_local = local_shard  # the old name, still imported by train.all_finite
 
 
 @torch.no_grad()

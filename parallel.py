@@ -284,29 +284,34 @@ def _ring_blocks(doc_lens, rank, world, t):
     return _doc_blocks(doc_lens, rank, world)
 
 
+def _acc(q):
+    """The merge's and the gradient accumulators' dtype: fp32, or float64 for float64 inputs (the CPU tests)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _fwd_block(q, k, v, out, lse, block, backend="auto"):
     """Attend the local q [B, Hq, T, D] to one block (rows, cols, causal) of a source's k/v [B, Hkv, T, D] and
-    fold the result into the running out [B, Hq, T, D] / lse [B, Hq, T] (fp32; None before the one sequence's
-    step 0). With documents, a causal block is the first to reach its rows (_doc_blocks): it is written, not
-    merged, so no row is merged before it holds a finite lse."""
+    fold the result into the running out [B, Hq, T, D] / lse [B, Hq, T] (_acc: fp32, or float64 for float64
+    inputs; None before the one sequence's step 0). With documents, a causal block is the first to reach its rows
+    (_doc_blocks): it is written, not merged, so no row is merged before it holds a finite lse."""
     rows, cols, causal = block
     out_b, lse_b = _attn_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, backend)
     if out is None:  # step 0 covers every row
-        return out_b.float(), lse_b.float()
+        return out_b.to(_acc(q)), lse_b.to(_acc(q))
     o, l = out[:, :, rows], lse[:, :, rows]  # views: updated in place
     if causal:  # documents only: the first block to reach these rows
         o.copy_(out_b)
         l.copy_(lse_b)
         return out, lse
     # softmax over the union of both key sets, in fp32; lerp(o, out_b, w) = o - w*(o - out_b)
-    o.lerp_(out_b.float(), torch.sigmoid(lse_b - l).unsqueeze(-1))
+    o.lerp_(out_b.to(o.dtype), torch.sigmoid(lse_b - l).unsqueeze(-1))
     l.sub_(torch.nn.functional.logsigmoid(l - lse_b))  # = log(exp(l) + exp(lse_b))
     return out, lse
 
 
 def _bwd_block(dout, q, k, v, out, lse, dq, block, backend="auto"):
     """The backward of one block (rows, cols, causal), with the final out (q.dtype) and lse: adds the block's
-    dQ into dq [B, Hq, T, D] fp32 and returns (cols, dk_b, dv_b), the gradient of the source's K/V columns."""
+    dQ into dq [B, Hq, T, D] (_acc) and returns (cols, dk_b, dv_b), the gradient of the source's K/V columns."""
     rows, cols, causal = block
     dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                  out[:, :, rows], lse[:, :, rows], causal, backend=backend)
@@ -348,7 +353,7 @@ def _ring_fwd(q, k, v, group, backend, doc_lens=None):
     steps = _ring_blocks(doc_lens, rank, world, q.shape[2])
     out = lse = None
     if doc_lens is not None:  # blocks reach some rows only: buffers, each row first written by a causal block
-        out, lse = torch.empty_like(q, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+        out, lse = torch.empty_like(q, dtype=_acc(q)), q.new_empty(q.shape[:3], dtype=_acc(q))
     if world > 1:
         k, v = k.contiguous(), v.contiguous()  # they are sent, and NCCL/gloo send contiguous tensors only
     ring = _Ring(group)
@@ -377,9 +382,9 @@ def _ring_bwd(dout, q, k, v, out, lse, group, backend, doc_lens=None):
     if world > 1:
         k, v = k.contiguous(), v.contiguous()
     kv_ring, grad_ring = _Ring(group), _Ring(group)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
+    dq = torch.zeros_like(q, dtype=_acc(q))
+    dk = torch.zeros_like(k, dtype=_acc(q))
+    dv = torch.zeros_like(v, dtype=_acc(q))
     for i in range(world):
         if i + 1 < world:
             k_next, v_next = kv_ring.start(k, v)

@@ -3,6 +3,7 @@
 Process groups and meshes are passed in as arguments; nothing here holds training state.
 
     python -m pytest tests/test_ring.py -q      # the ring against naive attention, 1/2/4 ranks under gloo
+    python -m pytest tests/test_docs.py -q      # the ring within documents (doc_lens), likewise
     python bench/ring_sim.py                    # the CUDA kernels in a simulated ring of 8 (one GPU)
 """
 import bisect
@@ -246,7 +247,9 @@ def _doc_blocks(doc_lens, rank, world):
         key chunk. Otherwise nothing: a pair sharing no document launches no kernel.
     Invariants (tests/test_docs.py): the blocks of all ranks and steps cover the document mask exactly once; the
     causal blocks are all at step 0, come first, and cover each local row once (every query sees itself), so
-    each row is written by its causal block before any other block is merged into it."""
+    each row is written by its causal block before any other block is merged into it. One kernel call per block:
+    correct, but slow for many short documents, and the ranks' work is not balanced (zigzag balances the one
+    full triangle only)."""
     t = sum(doc_lens)
     ends = list(itertools.accumulate(doc_lens))  # document j covers [ends[j] - doc_lens[j], ends[j])
     n = 1 if world == 1 else 2 * world

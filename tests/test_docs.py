@@ -327,7 +327,7 @@ def test_bad_documents_raise(group_of_one):
 
 # --- CUDA (skipped without a GPU) ---
 
-GPU_DOCS = (1, 999, 1500, 3, 497, 1000)  # 4000 tokens: across the chunk boundaries of cp 1 and 2
+GPU_DOCS = (1, 1200, 1300, 3, 696, 800)  # 4000 tokens: cp 2 cuts at 1000, 2000, 3000, and a document crosses each
 
 
 def cuda_inputs(seed=0):

@@ -9,7 +9,8 @@
    place where weights are read or drawn.
 
 The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
-(causal SDPA on one device, the ring of parallel.py under context parallelism).
+(causal SDPA on one device, the ring of parallel.py under context parallelism); for a window of several documents,
+`attn_fn(q, k, v, doc_lens)`.
 
     python -c "from model import *; m = Qwen3(Qwen3Config.tiny()); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
 """
@@ -205,9 +206,23 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
-def causal_attention(q, k, v):
-    """Default attn_fn: q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D]; GQA without repeating K/V."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+def causal_attention(q, k, v, doc_lens=None):
+    """Default attn_fn: q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D]; GQA without repeating K/V.
+    doc_lens (lengths summing to T): a query sees only its own document's keys, through a [T, T] mask (one
+    device, tests and short evaluation; the ring never builds one)."""
+    if doc_lens is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if sum(doc_lens) != q.shape[2]:
+        raise ValueError(f"doc_lens sum to {sum(doc_lens)}, not to the {q.shape[2]} tokens of the window")
+    doc = torch.arange(len(doc_lens), device=q.device).repeat_interleave(torch.tensor(doc_lens, device=q.device))
+    mask = (doc[:, None] == doc[None, :]).tril()  # [T, T]: same document, key not after query
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _docs(doc_lens):
+    """The attention call's documents argument: (doc_lens,), or nothing for one sequence, so that an
+    attn_fn(q, k, v) knowing no documents still serves plain windows."""
+    return () if doc_lens is None else (doc_lens,)
 
 
 class Attention(nn.Module):
@@ -221,15 +236,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attend):
-        """x [B, T, H] -> [B, T, H]. attend(q, k, v) -> out is the attention itself: the model's attn_fn, or
-        one of the recomputed block's variants (section 2)."""
+    def forward(self, x, cos, sin, attend, doc_lens=None):
+        """x [B, T, H] -> [B, T, H]. attend(q, k, v[, doc_lens]) -> out is the attention itself: the model's
+        attn_fn, or one of the recomputed block's variants (section 2)."""
         B, T, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.hq, self.hd)), cos, sin)   # [B, T, Hq, D]
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)), cos, sin)  # [B, T, Hkv, D]
         v = self.v_proj(x).view(B, T, self.hkv, self.hd)                                     # [B, T, Hkv, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views as [B, H, T, D]: no copies
-        o = attend(q, k, v)                                                                  # [B, Hq, T, D]
+        o = attend(q, k, v, *_docs(doc_lens))                                                # [B, Hq, T, D]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.hq * self.hd))
 
 
@@ -267,14 +282,14 @@ class Block(nn.Module):
         self.keep_attention = False  # ... and attention's output + lse, so the recompute skips attention
         self.offload = None          # a HostOffload (shared by the blocks) holding what is kept, or None
 
-    def body(self, x, cos, sin, attend, mlp_value_is_read=True):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+    def body(self, x, cos, sin, attend, mlp_value_is_read=True, doc_lens=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, doc_lens)
         return h + self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
 
-    def forward(self, x, cos, sin, attn_fn):
+    def forward(self, x, cos, sin, attn_fn, doc_lens=None):
         if self.recompute and torch.is_grad_enabled():
-            return _RecomputedBlock.apply(x, cos, sin, self, attn_fn)
-        return self.body(x, cos, sin, attn_fn)
+            return _RecomputedBlock.apply(x, cos, sin, self, attn_fn, doc_lens)
+        return self.body(x, cos, sin, attn_fn, doc_lens=doc_lens)
 
 
 class Qwen3(nn.Module):
@@ -289,26 +304,31 @@ class Qwen3(nn.Module):
     def head_weight(self):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=2048):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=2048, doc_lens=None):
         """input_ids [B, T] -> hidden [B, T, H] after the final norm; with labels [B, T], the chunked
-        (loss_sum fp32, n_valid) instead, computed here so that FSDP2 gathers the head weight once per step."""
+        (loss_sum fp32, n_valid) instead, computed here so that FSDP2 gathers the head weight once per step.
+        doc_lens: the window's documents (their lengths in order over the whole window, the same in every row;
+        under context parallelism the global window, not this rank's shard): attention stays inside each. Then
+        position_ids [B, T] must be given, each document's counting from 0 (zigzag-sharded like the tokens)."""
         B, T = input_ids.shape
+        if doc_lens is not None and position_ids is None:
+            raise ValueError("doc_lens needs position_ids: the positions inside each document, from 0")
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # [B, T, D] fp32
         x = self.embed_tokens(input_ids)                                                  # [B, T, H]
         for block in self.layers:
-            x = block(x, cos, sin, self.attn_fn)
+            x = block(x, cos, sin, self.attn_fn, doc_lens)
         h = self.norm(x)
         if labels is None:
             return h
         with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
             return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
 
-    def logits(self, input_ids, position_ids=None):
+    def logits(self, input_ids, position_ids=None, doc_lens=None):
         """Full logits [B, T, V], for tests and short evaluation only."""
-        return self(input_ids, position_ids) @ self.head_weight().T
+        return self(input_ids, position_ids, doc_lens=doc_lens) @ self.head_weight().T
 
     @torch.no_grad()
     def init_weights(self, generator=None):
@@ -369,7 +389,8 @@ class Qwen3(nn.Module):
 # i runs), and the block runs again with grad on, to rebuild its graph:
 #   - attention: without kept tensors, attn_fn runs forward again; with them, _ReplayAttention returns the kept
 #     output as is and, in its backward, calls attn_fn.bwd(dout, q, k, v, out, lse) -> (dq, dk, dv). For the
-#     ring (parallel.RingAttention), fwd/bwd are its two halves without autograd.
+#     ring (parallel.RingAttention), fwd/bwd are its two halves without autograd. A window of documents adds
+#     doc_lens to each of these calls (the block keeps it for its backward).
 #   - MLP: the recomputed output's value is never read (only its gradient graph is), so the tiled MLP skips
 #     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
 # Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are
@@ -378,14 +399,14 @@ class Qwen3(nn.Module):
 
 
 class _KeptAttention:
-    """attend(q, k, v) for the recomputed block's forward with keep_attention: runs attn_fn.fwd and keeps
-    its (out, lse) as attributes for the block to save."""
+    """attend(q, k, v[, doc_lens]) for the recomputed block's forward with keep_attention: runs attn_fn.fwd and
+    keeps its (out, lse) as attributes for the block to save."""
 
     def __init__(self, attn_fn):
         self.attn_fn, self.out, self.lse = attn_fn, None, None
 
-    def __call__(self, q, k, v):
-        self.out, self.lse = self.attn_fn.fwd(q, k, v)
+    def __call__(self, q, k, v, *docs):
+        self.out, self.lse = self.attn_fn.fwd(q, k, v, *docs)
         return self.out
 
 
@@ -394,19 +415,19 @@ class _ReplayAttention(torch.autograd.Function):
     the attention backward from the recomputed q, k, v and the kept output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, out, lse, attn_fn):
+    def forward(ctx, q, k, v, out, lse, attn_fn, docs):
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.attn_fn = attn_fn
+        ctx.attn_fn, ctx.docs = attn_fn, docs
         return out.view_as(out)  # out was made under no_grad; this node becomes its grad_fn
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return *ctx.attn_fn.bwd(dout, q, k, v, out, lse), None, None, None
+        return *ctx.attn_fn.bwd(dout, q, k, v, out, lse, *ctx.docs), None, None, None, None
 
 
-def _replay_attention(q, k, v, out, lse, attn_fn):
-    return _ReplayAttention.apply(q, k, v, out, lse, attn_fn)
+def _replay_attention(q, k, v, *docs, out, lse, attn_fn):
+    return _ReplayAttention.apply(q, k, v, out, lse, attn_fn, docs)
 
 
 class _RecomputedBlock(torch.autograd.Function):
@@ -414,11 +435,11 @@ class _RecomputedBlock(torch.autograd.Function):
     recomputes the rest in backward: the story is told at the top of this section."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, block, attn_fn):
-        ctx.block, ctx.attn_fn = block, attn_fn
+    def forward(ctx, x, cos, sin, block, attn_fn, doc_lens):
+        ctx.block, ctx.attn_fn, ctx.doc_lens = block, attn_fn, doc_lens
         attend = _KeptAttention(attn_fn) if block.keep_attention and hasattr(attn_fn, "fwd") else attn_fn
         with torch.no_grad():
-            y = block.body(x, cos, sin, attend)
+            y = block.body(x, cos, sin, attend, doc_lens=doc_lens)
         kept = {"x": x}
         if isinstance(attend, _KeptAttention):
             kept.update(out=attend.out, lse=attend.lse)
@@ -442,9 +463,9 @@ class _RecomputedBlock(torch.autograd.Function):
             attend = functools.partial(_replay_attention, out=kept["out"], lse=kept["lse"], attn_fn=ctx.attn_fn)
         with torch.enable_grad():
             x = kept["x"].detach().requires_grad_()
-            y = block.body(x, cos, sin, attend, mlp_value_is_read=False)
+            y = block.body(x, cos, sin, attend, mlp_value_is_read=False, doc_lens=ctx.doc_lens)
             torch.autograd.backward(y, dy)
-        return x.grad, None, None, None, None
+        return x.grad, None, None, None, None, None
 
 
 class HostOffload:

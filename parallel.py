@@ -3,9 +3,13 @@
 Process groups and meshes are passed in as arguments; nothing here holds training state.
 
     python -m pytest tests/test_ring.py -q      # the ring against naive attention, 1/2/4 ranks under gloo
+    python -m pytest tests/test_docs.py -q      # the ring within documents (doc_lens), likewise
     python bench/ring_sim.py                    # the CUDA kernels in a simulated ring of 8 (one GPU)
 """
+import bisect
 import functools
+import itertools
+import operator
 import warnings
 
 import torch
@@ -213,24 +217,92 @@ def _visible_part(rank, src, t):
     return slice(h, None), slice(None), False
 
 
-def _fwd_step(q, k, v, out, lse, rank, src, backend="auto"):
-    """One ring step of the forward: attend the local q [B, Hq, T, D] to source src's k/v [B, Hkv, T, D]
-    and fold the result into the running out [B, Hq, T, D] / lse [B, Hq, T] (fp32; None before step 0)."""
-    rows, cols, causal = _visible_part(rank, src, q.shape[2])
+# Documents. A window may hold several documents laid end to end (doc_lens: their lengths, in order, summing to
+# the global length); a query then sees only the keys of its own document, up to itself. Each (query chunk, key
+# chunk) pair of a ring step is intersected with the documents, and only what is left is launched.
+
+@functools.lru_cache(maxsize=8)  # a window's blocks serve every layer, forward and backward
+def _doc_blocks(doc_lens, rank, world):
+    """Per ring step i (source rank - i), a tuple of this rank's (query rows, key columns, causal) blocks of the
+    document mask, in local coordinates (the source's for the columns). doc_lens: a tuple of 2+ positive ints.
+
+    With the local chunks [A | B] and the source's [C | D] (zigzag; a ring of one has a single chunk, the whole
+    window), each pair of a query chunk and a key chunk not after it gives:
+      the same chunk: one causal block per document piece inside it (the diagonal);
+      key chunk before query chunk: a document is contiguous, so only the one holding the key chunk's last token
+        can reach the query chunk. If it does, one full block: its queries in the query chunk x its keys in the
+        key chunk. Otherwise nothing: a pair sharing no document launches no kernel.
+    Invariants (tests/test_docs.py): the blocks of all ranks and steps cover the document mask exactly once; the
+    causal blocks are all at step 0, come first, and cover each local row once (every query sees itself), so
+    each row is written by its causal block before any other block is merged into it. One kernel call per block:
+    correct, but slow for many short documents, and the ranks' work is not balanced (zigzag balances the one
+    full triangle only)."""
+    t = sum(doc_lens)
+    ends = list(itertools.accumulate(doc_lens))  # document j covers [ends[j] - doc_lens[j], ends[j])
+    n = 1 if world == 1 else 2 * world
+    c = t // n
+
+    def chunks(r):  # (global start, local start) of rank r's chunks
+        return ((0, 0),) if world == 1 else ((r * c, 0), ((n - 1 - r) * c, c))
+
+    steps = []
+    for i in range(world):
+        diagonal, full = [], []
+        for q0, row0 in chunks(rank):
+            for k0, col0 in chunks((rank - i) % world):
+                if k0 == q0:
+                    j = bisect.bisect_right(ends, q0)  # the document holding the chunk's first token
+                    while j < len(ends) and ends[j] - doc_lens[j] < q0 + c:
+                        lo, hi = max(ends[j] - doc_lens[j], q0), min(ends[j], q0 + c)
+                        piece = slice(lo - q0 + row0, hi - q0 + row0)  # step 0: the source is this rank
+                        diagonal.append((piece, piece, True))
+                        j += 1
+                elif k0 < q0:
+                    j = bisect.bisect_right(ends, k0 + c - 1)  # the document holding the key chunk's last token
+                    if ends[j] > q0:
+                        rows = slice(row0, min(ends[j], q0 + c) - q0 + row0)
+                        cols = slice(max(ends[j] - doc_lens[j], k0) - k0 + col0, c + col0)
+                        full.append((rows, cols, False))
+        steps.append(tuple(diagonal + full))
+    return tuple(steps)
+
+
+def _ring_blocks(doc_lens, rank, world, t):
+    """Per ring step, the blocks to compute: _visible_part's one block without documents, else _doc_blocks."""
+    if doc_lens is None:
+        return tuple((_visible_part(rank, (rank - i) % world, t),) for i in range(world))
+    return _doc_blocks(doc_lens, rank, world)
+
+
+def _acc(q):
+    """The merge's and the gradient accumulators' dtype: fp32, or float64 for float64 inputs (the CPU tests)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _fwd_block(q, k, v, out, lse, block, backend="auto"):
+    """Attend the local q [B, Hq, T, D] to one block (rows, cols, causal) of a source's k/v [B, Hkv, T, D] and
+    fold the result into the running out [B, Hq, T, D] / lse [B, Hq, T] (_acc: fp32, or float64 for float64
+    inputs; None before the one sequence's step 0). With documents, a causal block is the first to reach its rows
+    (_doc_blocks): it is written, not merged, so no row is merged before it holds a finite lse."""
+    rows, cols, causal = block
     out_b, lse_b = _attn_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, backend)
     if out is None:  # step 0 covers every row
-        return out_b.float(), lse_b.float()
+        return out_b.to(_acc(q)), lse_b.to(_acc(q))
     o, l = out[:, :, rows], lse[:, :, rows]  # views: updated in place
+    if causal:  # documents only: the first block to reach these rows
+        o.copy_(out_b)
+        l.copy_(lse_b)
+        return out, lse
     # softmax over the union of both key sets, in fp32; lerp(o, out_b, w) = o - w*(o - out_b)
-    o.lerp_(out_b.float(), torch.sigmoid(lse_b - l).unsqueeze(-1))
+    o.lerp_(out_b.to(o.dtype), torch.sigmoid(lse_b - l).unsqueeze(-1))
     l.sub_(torch.nn.functional.logsigmoid(l - lse_b))  # = log(exp(l) + exp(lse_b))
     return out, lse
 
 
-def _bwd_step(dout, q, k, v, out, lse, dq, rank, src, backend="auto"):
-    """One ring step of the backward, with the final out (q.dtype) and lse: adds the block's dQ into dq
-    [B, Hq, T, D] fp32 and returns (cols, dk_b, dv_b), the gradient of source src's K/V columns cols."""
-    rows, cols, causal = _visible_part(rank, src, q.shape[2])
+def _bwd_block(dout, q, k, v, out, lse, dq, block, backend="auto"):
+    """The backward of one block (rows, cols, causal), with the final out (q.dtype) and lse: adds the block's
+    dQ into dq [B, Hq, T, D] (_acc) and returns (cols, dk_b, dv_b), the gradient of the source's K/V columns."""
+    rows, cols, causal = block
     dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                  out[:, :, rows], lse[:, :, rows], causal, backend=backend)
     dq[:, :, rows] += dq_b
@@ -261,66 +333,80 @@ class _Ring:
         self.reqs = []
 
 
-def _ring_fwd(q, k, v, group, backend):
+def _ring_fwd(q, k, v, group, backend, doc_lens=None):
     """q [B, Hq, T, D], k/v [B, Hkv, T, D], zigzag-sharded over group -> out [B, Hq, T, D] in q.dtype,
-    lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i."""
+    lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i. doc_lens: None (one sequence) or a
+    tuple of 2+ document lengths over the whole window (_documents)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world == 1:  # one device: the kernel's own output, no fp32 merge buffer
+    if world == 1 and doc_lens is None:  # one device: the kernel's own output, no fp32 merge buffer
         return _attn_fwd(q, k, v, True, backend)
-    k, v = k.contiguous(), v.contiguous()  # they are sent, and NCCL/gloo send contiguous tensors only
-    ring, out, lse = _Ring(group), None, None
+    steps = _ring_blocks(doc_lens, rank, world, q.shape[2])
+    out = lse = None
+    if doc_lens is not None:  # blocks reach some rows only: buffers, each row first written by a causal block
+        out, lse = torch.empty_like(q, dtype=_acc(q)), q.new_empty(q.shape[:3], dtype=_acc(q))
+    if world > 1:
+        k, v = k.contiguous(), v.contiguous()  # they are sent, and NCCL/gloo send contiguous tensors only
+    ring = _Ring(group)
     for i in range(world):
         if i + 1 < world:
             k_next, v_next = ring.start(k, v)
-        out, lse = _fwd_step(q, k, v, out, lse, rank, (rank - i) % world, backend)
+        for block in steps[i]:
+            out, lse = _fwd_block(q, k, v, out, lse, block, backend)
         if i + 1 < world:
             ring.wait()
             k, v = k_next, v_next
     return out.to(q.dtype), lse  # the backward kernels take out in q's dtype
 
 
-def _ring_bwd(dout, q, k, v, out, lse, group, backend):
+def _ring_bwd(dout, q, k, v, out, lse, group, backend, doc_lens=None):
     """dout, q, out [B, Hq, T, D], k/v [B, Hkv, T, D], lse [B, Hq, T] fp32 -> dq, dk, dv in the inputs' dtype.
     K/V go round the ring again; dK/dV buffers (fp32) go round with them, one step behind: the buffer a
     rank holds at step i belongs to the K/V it holds, rank - i. After the last step it belongs to rank + 1,
-    so one more hop delivers every buffer, with all world contributions, to its owner."""
+    so one more hop delivers every buffer, with all world contributions, to its owner. doc_lens: as in forward,
+    which gives the same blocks."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world == 1:  # one device: the kernel's own gradients, no fp32 accumulators
+    if world == 1 and doc_lens is None:  # one device: the kernel's own gradients, no fp32 accumulators
         return _attn_bwd(dout, q, k, v, out, lse, True, backend=backend)
+    steps = _ring_blocks(doc_lens, rank, world, q.shape[2])
     dtypes = q.dtype, k.dtype, v.dtype
-    k, v = k.contiguous(), v.contiguous()
+    if world > 1:
+        k, v = k.contiguous(), v.contiguous()
     kv_ring, grad_ring = _Ring(group), _Ring(group)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
+    dq = torch.zeros_like(q, dtype=_acc(q))
+    dk = torch.zeros_like(k, dtype=_acc(q))
+    dv = torch.zeros_like(v, dtype=_acc(q))
     for i in range(world):
         if i + 1 < world:
             k_next, v_next = kv_ring.start(k, v)
-        cols, dk_b, dv_b = _bwd_step(dout, q, k, v, out, lse, dq, rank, (rank - i) % world, backend)
+        grads = [_bwd_block(dout, q, k, v, out, lse, dq, block, backend) for block in steps[i]]
         if i > 0:  # the source's buffer, sent on by the previous rank after its step i - 1
             grad_ring.wait()
             dk, dv = dk_next, dv_next
-        dk[:, :, cols] += dk_b
-        dv[:, :, cols] += dv_b
-        dk_next, dv_next = grad_ring.start(dk, dv)
+        for cols, dk_b, dv_b in grads:
+            dk[:, :, cols] += dk_b
+            dv[:, :, cols] += dv_b
+        if world > 1:  # a ring of one keeps its buffers
+            dk_next, dv_next = grad_ring.start(dk, dv)
         if i + 1 < world:
             kv_ring.wait()
             k, v = k_next, v_next
-    grad_ring.wait()
-    return tuple(g.to(dt) for g, dt in zip((dq, dk_next, dv_next), dtypes))
+    if world > 1:
+        grad_ring.wait()
+        dk, dv = dk_next, dv_next
+    return tuple(g.to(dt) for g, dt in zip((dq, dk, dv), dtypes))
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, backend):
-        out, lse = _ring_fwd(q, k, v, group, backend)
+    def forward(ctx, q, k, v, group, backend, doc_lens):
+        out, lse = _ring_fwd(q, k, v, group, backend, doc_lens)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.backend = group, backend
+        ctx.group, ctx.backend, ctx.doc_lens = group, backend, doc_lens
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        return *_ring_bwd(dout, *ctx.saved_tensors, ctx.group, ctx.backend), None, None
+        return *_ring_bwd(dout, *ctx.saved_tensors, ctx.group, ctx.backend, ctx.doc_lens), None, None, None
 
 
 def _check(q, k, v, group):
@@ -340,10 +426,31 @@ def _check(q, k, v, group):
         raise ValueError(f"the CUDA attention kernels take bf16 or fp16, not {q.dtype}")
 
 
+def _documents(doc_lens, t, group):
+    """doc_lens (document lengths over the whole window, in order) checked against the local length t on each
+    rank of group -> a tuple of ints (the key of _doc_blocks' cache), or None for one document: the plain ring."""
+    if doc_lens is None:
+        return None
+    world = dist.get_world_size(group)
+    try:
+        lens = tuple(operator.index(n) for n in doc_lens)
+    except TypeError:
+        raise ValueError(f"doc_lens must be a sequence of ints (document lengths); got {doc_lens!r:.200}") from None
+    if not lens or min(lens) < 1 or sum(lens) != t * world:
+        raise ValueError(f"doc_lens must be positive lengths summing to the window's {t * world} tokens ({t} on "
+                         f"each of {world} ranks); got {len(lens)} lengths, sum {sum(lens)}, "
+                         f"min {min(lens, default=0)}")
+    return lens if len(lens) > 1 else None
+
+
 class RingAttention:
     """The model's attn_fn: causal attention over a sequence zigzag-sharded (zigzag_shard, with the rank in
     `group`) across the ranks of `group`; a group of one is plain causal attention. q [B, Hq, T, D],
     k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's two chunks; softmax scale 1/sqrt(D).
+
+    doc_lens: the window's documents, their lengths in order over the whole (global, unsharded) window, the same
+    in every batch row; a query then sees only keys of its own document, up to itself. None or one length: one
+    causal sequence. The RoPE positions inside each document are the caller's (the model's position_ids).
 
     backend: one of ATTN_BACKENDS, resolved once here; self.backend says which kernels run ("fa4", "cudnn",
     "flash", or "cpu" without CUDA). Calling it is differentiable; fwd and bwd are its two halves without
@@ -352,25 +459,27 @@ class RingAttention:
     def __init__(self, group, backend="auto"):
         self.group, self.backend = group, resolve_backend(backend)
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, doc_lens=None):
         """-> out [B, Hq, T, D] in q.dtype."""
         _check(q, k, v, self.group)
-        return _RingAttention.apply(q, k, v, self.group, self.backend)
+        doc_lens = _documents(doc_lens, q.shape[2], self.group)
+        return _RingAttention.apply(q, k, v, self.group, self.backend, doc_lens)
 
-    def fwd(self, q, k, v):
+    def fwd(self, q, k, v, doc_lens=None):
         """-> out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] fp32."""
         _check(q, k, v, self.group)
-        return _ring_fwd(q, k, v, self.group, self.backend)
+        return _ring_fwd(q, k, v, self.group, self.backend, _documents(doc_lens, q.shape[2], self.group))
 
-    def bwd(self, dout, q, k, v, out, lse):
-        """-> dq, dk, dv in the inputs' dtype."""
-        return _ring_bwd(dout, q, k, v, out, lse, self.group, self.backend)
+    def bwd(self, dout, q, k, v, out, lse, doc_lens=None):
+        """-> dq, dk, dv in the inputs' dtype. doc_lens: the forward's."""
+        return _ring_bwd(dout, q, k, v, out, lse, self.group, self.backend,
+                         _documents(doc_lens, q.shape[2], self.group))
 
 
-def ring_attention(q, k, v, group, backend="auto"):
-    """Causal ring attention of q [B, Hq, T, D] to k/v [B, Hkv, T, D] over `group` (see RingAttention).
-    -> [B, Hq, T, D] in q.dtype. Differentiable w.r.t. q, k, v."""
-    return RingAttention(group, backend)(q, k, v)
+def ring_attention(q, k, v, group, backend="auto", doc_lens=None):
+    """Causal ring attention of q [B, Hq, T, D] to k/v [B, Hkv, T, D] over `group` (see RingAttention), within
+    documents when doc_lens is given. -> [B, Hq, T, D] in q.dtype. Differentiable w.r.t. q, k, v."""
+    return RingAttention(group, backend)(q, k, v, doc_lens)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
     python bench/ring_sim.py            # H200: cp 8 over 131,072 tokens, 32 q / 8 kv heads, d 128, bf16 (~1 min)
     python bench/ring_sim.py --small    # any machine: a tiny fp32 shape on CPU, exercises every code path
 
-One process plays all cp ranks. Rank r's ring steps call parallel._fwd_step and parallel._bwd_step, the functions
-the real ring calls, with the K/V that rank r would hold at step i (rank r - i's shard) taken by slicing instead
-of being received, and each block's dK/dV added into the source rank's fp32 buffer instead of travelling.
+One process plays all cp ranks. Rank r's ring steps call parallel._fwd_block and parallel._bwd_block on the
+block parallel._visible_part gives, as the real ring does, with the K/V that rank r would hold at step i (rank
+r - i's shard) taken by slicing instead of being received, and each block's dK/dV added into the source rank's
+fp32 buffer instead of travelling.
 The gathered output and dq/dk/dv are compared with one causal F.scaled_dot_product_attention call (enable_gqa,
 autograd) on the whole sequence: max abs and relative Frobenius error. Then the blocks of all cp ranks together
 are timed against the one causal kernel call on the whole sequence (the same kernel, parallel._attn_fwd/_bwd):
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parallel import _attn_bwd, _attn_fwd, _bwd_step, _fwd_step, zigzag_shard, zigzag_unshard  # noqa: E402
+from parallel import (_attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _visible_part, zigzag_shard,  # noqa: E402
+                      zigzag_unshard)
 
 
 def ring_forward(qs, ks, vs):
@@ -34,7 +36,7 @@ def ring_forward(qs, ks, vs):
         out = lse = None
         for i in range(cp):
             src = (r - i) % cp  # the K/V rank r holds at step i
-            out, lse = _fwd_step(qs[r], ks[src], vs[src], out, lse, r, src)
+            out, lse = _fwd_block(qs[r], ks[src], vs[src], out, lse, _visible_part(r, src, qs[r].shape[2]))
         res.append((out.to(qs[r].dtype), lse))
     return res
 
@@ -49,7 +51,8 @@ def ring_backward(douts, qs, ks, vs, fwd):
         out, lse = fwd[r]
         for i in range(cp):
             src = (r - i) % cp
-            cols, dk_b, dv_b = _bwd_step(douts[r], qs[r], ks[src], vs[src], out, lse, dqs[r], r, src)
+            block = _visible_part(r, src, qs[r].shape[2])
+            cols, dk_b, dv_b = _bwd_block(douts[r], qs[r], ks[src], vs[src], out, lse, dqs[r], block)
             dks[src][:, :, cols] += dk_b  # in the real ring this buffer travels back to src
             dvs[src][:, :, cols] += dv_b
     return dqs, dks, dvs

@@ -84,9 +84,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(world, out_dir, timeout=120):
-    """Spawn world ranks; a failing rank fails the test with its traceback, a hung one with a timeout."""
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out_dir)), nprocs=world,
+def run_ranks(world, out_dir, timeout=120, main=_rank_main):
+    """Spawn world ranks of main(rank, world, port, out_dir) (a module-level function), each saving
+    out_dir/rank{r}.pt; a failing rank fails the test with its traceback, a hung one with a timeout."""
+    ctx = mp.start_processes(main, args=(world, _free_port(), str(out_dir)), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:

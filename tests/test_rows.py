@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -360,6 +361,23 @@ def test_parquet_rows_name_the_row(tmp_path, tok):
     assert docs[1][0] == 2 and docs[1][1].where == "chats.parquet row 3"
     assert docs[1][1].ids.tolist() == want[0].tolist() and docs[1][1].trained.tolist() == want[1].tolist()
     assert data.default_packing(str(path)) == "docs"
+
+
+def test_conversations_stream_from_the_hub(tmp_path, tok, monkeypatch):
+    path = tmp_path / "train-00000-of-00001.parquet"
+    pq.write_table(pa.table({"messages": [CHATS["plain"][0], CHATS["reasoning"][0]]}), path)
+
+    class FakeHub(LocalFileSystem):  # the hub's layout, served from the local file
+        def glob(self, pattern, **kw):
+            assert pattern == "datasets/someone/chats@main/**/*.parquet"
+            return [str(path)]
+
+    monkeypatch.setattr(data, "HfFileSystem", FakeHub)
+    docs = list(data.iter_documents("pg19", tok, repo="someone/chats", start_row=1))
+    assert [(i, d.where) for i, d in docs] == [(1, "train-00000-of-00001.parquet row 2")]
+    assert docs[0][1].ids.tolist() == data.row_document({"messages": CHATS["reasoning"][0]}, tok,
+                                                        chat_template=QWEN3)[0].tolist()
+    assert data.default_packing("pg19", repo="someone/chats") == "docs" and data.default_packing("pg19") == "concat"
 
 
 def test_bad_files_and_a_missing_template_stop_with_one_line(tmp_path, tok):

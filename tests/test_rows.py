@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 QWEN3 = (Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # Qwen3: added, not special
+TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # not special
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -400,7 +400,7 @@ def test_bad_files_and_a_missing_template_stop_with_one_line(tmp_path, tok):
     with pytest.raises(ValueError) as info:
         drain(loader)
     assert str(info.value) == (f"chats.jsonl line 3 is a conversation, but there is no chat template in {bare}: "
-                               "looked for chat_template.jinja and the \"chat_template\" field of tokenizer_config.json")
+                               'looked for chat_template.jinja and the "chat_template" field of tokenizer_config.json')
 
 
 def test_the_text_path_names_file_and_line(tmp_path, tok):
@@ -555,7 +555,8 @@ def test_the_command_line_marks_what_is_trained(mixed, model, capsys):
     path, _ = mixed
     data.main([str(path), "--tokenizer", str(model), "--seq_len", "64", "--windows", "2"])  # docs, by the rows
     out = capsys.readouterr()
-    assert "mixed.jsonl line 1, " in out.out and "<|im_start|>assistant\n[[<think>\n\n</think>\n\nHi. How are you?<|im_end|>]]\n" in out.out
+    assert "mixed.jsonl line 1, " in out.out
+    assert "<|im_start|>assistant\n[[<think>\n\n</think>\n\nHi. How are you?<|im_end|>]]\n" in out.out
     assert "window 0: " in out.out and "documents, padding 0.0%, not trained" in out.out
     assert "'packing': 'docs'" in out.out
     assert "data: mixed.jsonl line 4: unknown role 'robot'" in out.err

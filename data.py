@@ -973,7 +973,9 @@ def main(argv=None) -> None:
                              assistant_only_loss=args.assistant_only_loss == "true",
                              completion_only_loss=args.completion_only_loss == "true")
     first = next((d for _, d in docs(start_row=0) if isinstance(d, Document)), None)
-    if first is not None:
+    if first is not None and first.trained.all():
+        print(f"{first.where}, {len(first.ids)} tokens, every one trained\n")
+    elif first is not None:
         text = marked(tok, first.ids, first.trained)
         print(f"{first.where}, {len(first.ids)} tokens, {int(first.trained[1:].sum())} trained ([[ ]]):\n"
               f"{text[:args.excerpt]}{' ...' if len(text) > args.excerpt else ''}\n")

@@ -44,6 +44,7 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.6, fa4=610.6),  # kernel benchmark
                    other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=28.5, ring_bytes_per_token_qdim=9.16)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
+TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
 
 
 @dataclass(frozen=True)
@@ -198,29 +199,32 @@ class NoFit(Exception):
 
 def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | None = None,
            k: Constants = FITTED) -> tuple[Levers, Cost]:
-    """The fastest levers predicted to fit within GPU_MARGIN of gpu_gib per rank and HOST_MARGIN of the node's
-    host memory (shared by ranks_per_node ranks). `fixed` holds the levers the user set, which win.
+    """The levers predicted to fit within GPU_MARGIN of gpu_gib per rank and HOST_MARGIN of the node's host
+    memory (shared by ranks_per_node ranks): among the plans within TIME_SLACK of the fastest, the one with the
+    lowest GPU peak, then the fastest, then the least pinned host memory. Headroom that costs no time is taken: a run near the
+    GPU's limit is exposed to fragmentation and to anything else on the card. `fixed` holds the levers the user
+    set, which win.
 
-    Time depends only on how many blocks keep attention, so try the most first; for each, offload as few blocks as
-    the GPU allows (host memory and PCIe traffic are then the smallest)."""
+    Time depends only on how many blocks keep attention, so the fastest plans keep the most; offloading more
+    blocks lowers the peak until the gradients, not the kept tensors, set it (gpu_bytes)."""
     fixed = fixed or {}
     gpu_cap, host_cap = GPU_MARGIN * gpu_gib * 2**30, HOST_MARGIN * host_gib_per_node * 2**30 / s.ranks_per_node
     base = Levers(s.layers, s.layers, fixed.get("tiled_mlp", True), fixed.get("mlp_tile", 16384))
     keeps = [fixed["keep_attention_layers"]] if "keep_attention_layers" in fixed else range(s.layers, -1, -1)
     offs = [fixed["offload_layers"]] if "offload_layers" in fixed else range(0, s.layers + 1)
-    for keep in keeps:
-        for off in offs:
-            lv = replace(base, offload_layers=off, keep_attention_layers=keep)
-            if gpu_bytes(s, lv, k) <= gpu_cap:
-                if host_bytes(s, lv) <= host_cap:
-                    return lv, predict(s, lv, k)
-                break  # more offload only needs more host memory
+    fits = [lv for lv in (replace(base, offload_layers=off, keep_attention_layers=keep) for keep in keeps
+                          for off in offs) if gpu_bytes(s, lv, k) <= gpu_cap and host_bytes(s, lv) <= host_cap]
+    if fits:
+        fastest = min(step_seconds(s, lv, k) for lv in fits)
+        near = [lv for lv in fits if step_seconds(s, lv, k) <= fastest * (1 + TIME_SLACK)]
+        best = min(near, key=lambda lv: (gpu_bytes(s, lv, k), step_seconds(s, lv, k), host_bytes(s, lv)))
+        return best, predict(s, best, k)
     nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1])
     c = predict(s, nearest, k)
-    def fits(x: Shape):
+    def fits_with(x: Shape):
         return gpu_bytes(x, nearest, k) <= gpu_cap and host_bytes(x, nearest) <= host_cap
     need_cp = next((cp for cp in (2, 4, 8, 16, 32, 64) if cp > s.cp and s.seq_len % (2 * cp) == 0 and
-                    fits(replace(s, cp=cp, world=s.world * cp // s.cp))), None)
+                    fits_with(replace(s, cp=cp, world=s.world * cp // s.cp))), None)
     gpu_short = gpu_bytes(s, nearest, k) > gpu_cap
     raise NoFit(f"no set of levers fits: the nearest (offload_layers {nearest.offload_layers}, keep_attention_layers "
                 f"{nearest.keep_attention_layers}) needs {c.gpu_gib:.1f} GiB of GPU memory per rank (plan limit "

@@ -91,10 +91,11 @@ def test_the_cost_model_takes_its_constants_as_a_value():
     assert faster.gpu_gib == base.gpu_gib and plan.predict(s, lv) == base
 
 
-def test_the_chosen_plan_is_the_fastest_that_fits():
+def test_the_chosen_plan_has_the_lowest_peak_of_the_nearly_fastest():
     """Against every (offload_layers, keep_attention_layers) pair under the same model, on nodes from roomy to too
-    small: the plan is the fastest that fits and, of those, the one pinning the least host memory; when the plan
-    says nothing fits, nothing does."""
+    small: the plan is within TIME_SLACK of the fastest that fits; no plan that fits and is that fast has a lower
+    GPU peak; of equal peaks it is the fastest, then the one pinning the least host memory. When the plan says
+    nothing fits, nothing does."""
     s = shape()
     chosen = 0
     for gpu, host in ((74.5, 1907), (131, 560), (74.5, 512 * GB), (50, 600), (74.5, 250), (60, 200), (40, 600)):
@@ -102,17 +103,29 @@ def test_the_chosen_plan_is_the_fastest_that_fits():
         for off, keep in itertools.product(range(s.layers + 1), repeat=2):
             c = plan.predict(s, plan.Levers(off, keep))
             if c.gpu_gib <= plan.GPU_MARGIN * gpu and c.host_gib * s.ranks_per_node <= plan.HOST_MARGIN * host:
-                fits.append((c.step_s, c.host_gib))
+                fits.append(c)
         try:
             lv, cost = plan.choose(s, gpu, host)
         except plan.NoFit:
             assert not fits, (gpu, host)
             continue
         chosen += 1
-        best_time = min(f[0] for f in fits)
-        assert cost.step_s == pytest.approx(best_time, rel=1e-12), (gpu, host)
-        assert cost.host_gib == min(f[1] for f in fits if f[0] == best_time)
+        fastest = min(c.step_s for c in fits)
+        assert cost.step_s <= fastest * (1 + plan.TIME_SLACK), (gpu, host)
+        near = [c for c in fits if c.step_s <= fastest * (1 + plan.TIME_SLACK)]
+        assert cost == min(near, key=lambda c: (c.gpu_gib, c.step_s, c.host_gib)), (gpu, host)
     assert chosen >= 5
+
+
+def test_free_headroom_is_taken():
+    """Qwen3-8B, 262,144 tokens, cp 2 on two H200s: keeping every block's tensors on the GPU is no faster than
+    offloading most of them (offload is overlapped), so the plan keeps the GPU's peak far below its limit."""
+    s = shape(seq_len=262144, cp=2, world=2, per_node=2)
+    lv, cost = plan.choose(s, 139.8, 1000)
+    # the fastest plan that offloads the fewest blocks (the rule before): 7 blocks, 125.8 GiB measured
+    least = next(plan.predict(s, plan.Levers(off, s.layers)) for off in range(s.layers + 1)
+                 if plan.predict(s, plan.Levers(off, s.layers)).gpu_gib <= plan.GPU_MARGIN * 139.8)
+    assert cost.step_s <= least.step_s * (1 + plan.TIME_SLACK) and cost.gpu_gib < least.gpu_gib - 30
 
 
 @pytest.mark.parametrize("gpu_gib,host_gib", [(80 * GB, 2000 * GB), (141 * GB, 560), (80 * GB, 512 * GB)])
@@ -124,7 +137,8 @@ def test_the_headline_command_gets_a_plan_on_common_nodes(gpu_gib, host_gib):
     assert old.host_gib * 8 == pytest.approx(580.5, abs=0.1)  # what made the default command stop before
     lv, cost = plan.choose(s, gpu_gib, host_gib)
     assert cost.host_gib * 8 <= 0.9 * host_gib and cost.gpu_gib <= 0.92 * gpu_gib
-    assert lv.keep_attention_layers == s.layers  # every node here can afford to skip attention's recompute
+    fastest = plan.predict(s, plan.Levers(0, s.layers))  # keeps attention everywhere; offload costs no time
+    assert cost.step_s <= fastest.step_s * (1 + plan.TIME_SLACK)  # so every node here runs at full speed
 
 
 def test_levers_the_user_sets_win_and_no_fit_names_what_would():
@@ -194,11 +208,15 @@ def test_fit_auto_in_train_py(tmp_path):
     wins; a node where nothing fits stops with one line naming the nearest plan."""
     s = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512)  # as run_train runs
     gpu = plan.predict(s, plan.Levers(1, 2)).gpu_gib / plan.GPU_MARGIN * 1.0001  # fits with 1 of 2 blocks offloaded
+    lv, _ = plan.choose(s, gpu, 100)
+    assert lv.offload_layers >= 1
     p = run_train(tmp_path, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "fit: " in p.stdout and "offload_layers 1/2, keep_attention_layers 2/2" in p.stdout, p.stdout
+    assert "fit: " in p.stdout and (f"offload_layers {lv.offload_layers}/2, keep_attention_layers "
+                                    f"{lv.keep_attention_layers}/2") in p.stdout, p.stdout
     cfg = json.load(open(tmp_path / "run" / "train_config.json"))
-    assert cfg["offload"] and cfg["offload_layers"] == 1 and cfg["keep_attention_layers"] == 2
+    assert cfg["offload"] and cfg["offload_layers"] == lv.offload_layers
+    assert cfg["keep_attention_layers"] == lv.keep_attention_layers
     p = run_train(tmp_path, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100", "--keep_attention", "false",
                   "--resume", "none", "--overwrite", "true")
     assert p.returncode == 0 and "keep_attention_layers 0/2" in p.stdout and "given: keep_attention_layers" in p.stdout

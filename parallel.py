@@ -65,7 +65,7 @@ def _warn_once(key, msg):
 
 
 @functools.cache
-def _fa4_unavailable():
+def fa4_unavailable():
     """Why FlashAttention-4 cannot run here, or None when it can. Imported only here and in _fa4_*: CI has no
     GPU and no flash-attn-4, and importing the CuTe DSL costs a few seconds."""
     if not torch.cuda.is_available():
@@ -86,21 +86,31 @@ def resolve_backend(backend="auto"):
     else cudnn (which falls back to flash where it refuses an input)."""
     if backend not in ATTN_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: want one of {', '.join(ATTN_BACKENDS)}")
-    if backend == "fa4" and _fa4_unavailable():
-        raise ValueError(f"attention backend fa4: {_fa4_unavailable()}; install it with `pip install flash-attn-4` "
+    if backend == "fa4" and fa4_unavailable():
+        raise ValueError(f"attention backend fa4: {fa4_unavailable()}; install it with `pip install flash-attn-4` "
                          "(sm90+ GPUs) or pass --attn_backend cudnn")
     if not torch.cuda.is_available():
         return "cpu"
     if backend == "auto":
-        return "cudnn" if _fa4_unavailable() else "fa4"
+        return "cudnn" if fa4_unavailable() else "fa4"
     return backend
 
 
-def _kernels(backend, device):
-    """The kernels for tensors on `device`: the CPU op for CPU tensors, whatever the backend."""
+# cuDNN's attention kills the process (a segfault, no error to catch) in backward on a piece of a few tokens, as
+# a document mask makes (a one-token document; a document's last token in a chunk): bench/results/short_pieces.json.
+# Such pieces run on flash attention, whose cost there is nil.
+CUDNN_MIN_TOKENS = 16
+
+
+def _kernels(backend, device, q=None, k=None):
+    """The kernels for tensors on `device`: the CPU op for CPU tensors, whatever the backend; flash for the short
+    pieces cuDNN cannot run."""
     if device.type == "cpu":
         return "cpu"
-    return resolve_backend("auto" if backend == "cpu" else backend)
+    kernels = resolve_backend("auto" if backend == "cpu" else backend)
+    if kernels == "cudnn" and q is not None and min(q.shape[2], k.shape[2]) < CUDNN_MIN_TOKENS:
+        return "flash"
+    return kernels
 
 
 def _cudnn_refused(e):
@@ -126,7 +136,7 @@ def _attn_fwd(q, k, v, causal, backend="auto"):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> out [B, Hq, Tq, D] in q.dtype, lse [B, Hq, Tq] fp32 (natural log).
     causal is used only with Tq == Tk (where cuDNN's top-left and FlashAttention's bottom-right masks agree):
     query i sees keys 0..i."""
-    kernels = _kernels(backend, q.device)
+    kernels = _kernels(backend, q.device, q, k)
     if kernels == "cpu":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
@@ -175,7 +185,7 @@ def _attn_bwd(dout, q, k, v, out, lse, causal, heads_per_call=None, backend="aut
     """Gradients of one _attn_fwd call from its inputs, out (in q.dtype) and lse [B, Hq, Tq] fp32.
     -> dq [B, Hq, Tq, D], dk/dv [B, Hkv, Tk, D], in q.dtype. Runs heads_per_call query heads (with their
     K/V heads) per kernel call (default BWD_QUERY_HEADS_PER_CALL, rounded to whole K/V heads dividing Hkv)."""
-    kernels = _kernels(backend, q.device)
+    kernels = _kernels(backend, q.device, q, k)
     hq, hkv = q.shape[1], k.shape[1]
     per_kv = hq // hkv  # query heads per K/V head
     kv_step = max(1, min(hkv, (heads_per_call or BWD_QUERY_HEADS_PER_CALL) // per_kv))
@@ -537,8 +547,8 @@ def agree(flags: list[bool], device, group=None) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-def all_ok(error: str | None, what: str, device):
-    """A collective check that every rank succeeded at `what` (error None): if one did not, every rank stops
-    together, the failing one with its own message, the others pointing to it."""
+def all_ok(error: str | None, what: str, device, exc=SystemExit):
+    """A collective check that every rank succeeded at `what` (error None): if one did not, every rank raises
+    exc together, the failing one with its own message, the others pointing to it."""
     if agree([error is not None], device)[0]:
-        raise SystemExit(error or f"error: {what} failed on another rank (see its message); stopping")
+        raise exc(error or f"error: {what} failed on another rank (see its message); stopping")

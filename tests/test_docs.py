@@ -356,7 +356,7 @@ def cuda_oracle_and_floor(q, k, v, dout, backend):
 
 
 def cuda_backends():
-    return ["cudnn"] + ([] if parallel._fa4_unavailable() else ["fa4"])
+    return ["cudnn"] + ([] if parallel.fa4_unavailable() else ["fa4"])
 
 
 @pytest.mark.gpu
@@ -403,3 +403,16 @@ def test_document_ring_cp2_over_nccl(tmp_path):
         for n in ref:
             got = zigzag_unshard([r[backend][n] for r in ranks], 2).cuda()
             assert rel(got, ref[n]) <= 3 * floor[n], (backend, n, rel(got, ref[n]), floor[n])
+
+
+def test_short_pieces_leave_cudnn(monkeypatch):
+    """cuDNN's backward kills the process on a one-token piece (bench/results/short_pieces.json); a document mask
+    makes such pieces, so pieces under CUDNN_MIN_TOKENS run on flash. The choice alone, on CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.device("cuda")
+    def piece(n):
+        return torch.empty(1, 8, n, 128, device="meta")
+    assert parallel._kernels("cudnn", cuda, piece(1), piece(1)) == "flash"
+    assert parallel._kernels("cudnn", cuda, piece(700), piece(1)) == "flash"
+    assert parallel._kernels("cudnn", cuda, piece(parallel.CUDNN_MIN_TOKENS), piece(700)) == "cudnn"
+    assert parallel._kernels("cudnn", cuda) == "cudnn"

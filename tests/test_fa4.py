@@ -21,8 +21,8 @@ from test_ring import _free_port
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(parallel._fa4_unavailable() is not None,
-                       reason=f"FlashAttention-4 unavailable: {parallel._fa4_unavailable()}"),
+    pytest.mark.skipif(parallel.fa4_unavailable() is not None,
+                       reason=f"FlashAttention-4 unavailable: {parallel.fa4_unavailable()}"),
 ]
 
 # (batch, q heads, kv heads, query length, key length, head_dim, causal); causal needs Tq == Tk (parallel.py)

@@ -202,7 +202,7 @@ def test_bad_inputs_raise():
 def test_backend_choice_without_cuda(monkeypatch):
     """Without CUDA every backend runs the CPU kernels, and asking for fa4 says how to get it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    parallel._fa4_unavailable.cache_clear()
+    parallel.fa4_unavailable.cache_clear()
     try:
         assert parallel.RingAttention(None).backend == "cpu"
         assert parallel.RingAttention(None, backend="cudnn").backend == "cpu"
@@ -211,7 +211,7 @@ def test_backend_choice_without_cuda(monkeypatch):
         with pytest.raises(ValueError, match="want one of auto, fa4, cudnn, flash"):
             parallel.RingAttention(None, backend="sdpa")
     finally:
-        parallel._fa4_unavailable.cache_clear()
+        parallel.fa4_unavailable.cache_clear()
 
 
 def test_only_cudnn_refusals_fall_back_to_flash():

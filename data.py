@@ -958,17 +958,37 @@ class DataEnd(Exception):
     """The (finite) data ran out: the run ends as at --max_steps."""
 
 
+class DataError(Exception):
+    """Reading the data failed mid-run, on some rank; raised on every rank at the same step."""
+
+
+@dataclasses.dataclass
+class Micro:
+    """One micro-batch on this rank: its zigzag share of one window."""
+    inputs: torch.Tensor       # [1, T/cp]
+    labels: torch.Tensor       # [1, T/cp], -100 where not trained on
+    positions: torch.Tensor    # [1, T/cp] RoPE positions: in the sequence (concat) or in each document (docs)
+    doc_lens: tuple | None     # the whole window's documents (docs); None: one causal sequence (concat)
+    pad: int                   # padding pairs in the whole window
+
+
 class Batches:
-    """This rank's micro-batches, [(inputs [1, T/cp], labels [1, T/cp])] * grad_accum per step.
+    """This rank's micro-batches, [Micro] * grad_accum per step.
 
     Only the first rank of each context-parallel group reads and tokenizes: make_loader() is called there alone
     (a WindowLoader over this data-parallel group's windows), and each window is broadcast to the rest of the
-    group, which shards it (zigzag). An error on the reading rank stops every rank of the world together."""
+    group, which shards it (zigzag). An error on the reading rank stops every rank of the world together.
+    packing "concat": a window is seq_len + 1 tokens of one stream, its labels the inputs shifted by one.
+    packing "docs": a Window (inputs, labels, documents), sent as one [3, T + 1] tensor: inputs, labels, a 1 where
+    a document starts, and the padding count in the last column."""
 
-    def __init__(self, make_loader: Callable[[], "WindowLoader"], seq_len: int, grad_accum: int, cp_group, device):
-        self.seq_len, self.grad_accum, self.group, self.device = seq_len, grad_accum, cp_group, device
+    def __init__(self, make_loader: Callable[[], "WindowLoader"], seq_len: int, grad_accum: int, packing: str,
+                 cp_group, device):
+        self.seq_len, self.grad_accum, self.packing = seq_len, grad_accum, packing
+        self.group, self.device = cp_group, device
         self.cp_rank, self.cp = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         self.src = dist.get_global_rank(cp_group, 0)
+        self.positions = zigzag_shard(torch.arange(seq_len, device=device), 0, self.cp_rank, self.cp)[None]
         self.loader, error = None, None
         if self.cp_rank == 0:
             try:
@@ -977,30 +997,44 @@ class Batches:
                 error = f"error (rank {dist.get_rank()}): data: {type(e).__name__}: {str(e).splitlines()[0]}"
         all_ok(error, "setting up the data", device)
 
-    def _window(self):
-        w, error, ended = torch.empty(self.seq_len + 1, dtype=torch.long), None, False
+    def _window(self) -> torch.Tensor:
+        T = self.seq_len
+        w = torch.empty(T + 1 if self.packing == "concat" else (3, T + 1), dtype=torch.long)
+        error, ended = None, False
         if self.loader is not None:
             try:
-                w = next(self.loader)
+                got = next(self.loader)
+                if self.packing == "concat":
+                    w = got                                                   # [T + 1]
+                else:
+                    w.zero_()
+                    w[0, :T], w[1, :T], w[2, T] = got.inputs, got.labels, got.pad
+                    w[2, torch.tensor(got.doc_lens[:-1]).cumsum(0)] = 1       # where documents 2.. start
+                    w[2, 0] = 1
             except StopIteration:
                 ended = True
             except Exception as e:  # every rank must hear of it, or the others hang in the next collective
                 error = f"error (rank {dist.get_rank()}): reading data: {type(e).__name__}: {e}"
-        all_ok(error, "reading data", self.device)
+        all_ok(error, "reading data", self.device, DataError)
         if agree([ended], self.device)[0]:
             raise DataEnd
         w = w.to(self.device)
         dist.broadcast(w, src=self.src, group=self.group)
         return w
 
-    def next(self):
-        batch = []
-        for _ in range(self.grad_accum):
-            w = self._window()                                            # [T + 1], the whole sequence
-            inputs = zigzag_shard(w[:-1], 0, self.cp_rank, self.cp)[None]  # [1, T/cp]
-            labels = zigzag_shard(w[1:], 0, self.cp_rank, self.cp)[None]   # shifted on the whole sequence, then sharded
-            batch.append((inputs, labels))
-        return batch
+    def _micro(self, w) -> Micro:
+        def shard(x):
+            return zigzag_shard(x, 0, self.cp_rank, self.cp)[None]            # [1, T/cp]
+        if self.packing == "concat":                  # [T + 1]: labels shifted on the whole sequence, then sharded
+            return Micro(shard(w[:-1]), shard(w[1:]), self.positions, None, 0)
+        T = self.seq_len
+        starts = w[2, :T].nonzero().squeeze(1).tolist()
+        doc_lens = tuple(b - a for a, b in zip(starts, starts[1:] + [T]))
+        return Micro(shard(w[0, :T]), shard(w[1, :T]), shard(doc_positions(doc_lens).to(w.device)), doc_lens,
+                     int(w[2, T]))
+
+    def next(self) -> list[Micro]:
+        return [self._micro(self._window()) for _ in range(self.grad_accum)]
 
     def state_dict(self):  # rank 0 reads the first data-parallel group's windows: its state is everyone's
         return self.loader.state_dict() if self.loader is not None else None
@@ -1008,6 +1042,11 @@ class Batches:
     def load_state_dict(self, sd):
         if self.loader is not None:
             self.loader.load_state_dict(sd)
+
+    @property
+    def skipped(self) -> int:
+        """Rows skipped so far (bad rows, rows with nothing to train on), on the ranks that read."""
+        return self.loader.skipped if self.loader is not None else 0
 
     def close(self):
         if self.loader is not None:

@@ -1,14 +1,19 @@
 """The run's folder: what makes `--out_dir` one run that any relaunch continues.
 
+    out_dir/lock                 held by the run writing here (one writer per folder)
     out_dir/train_config.json    the config the run started with
+    out_dir/launches.jsonl       one row per launch: the step it continued from, what changed, its config
     out_dir/metrics.jsonl        one row per optimizer step, exactly once each (cut back to the step resumed)
     out_dir/eval.jsonl           one row per evaluation
+    out_dir/train.log            what rank 0 printed, appended: the record when the terminal or the pipe is gone
     out_dir/checkpoints/         checkpoint.py's atomic checkpoints
 
-This is the trainer's policy around checkpoint.py's mechanism: which checkpoint a relaunch continues from and
-whether it belongs to this run (the fingerprint), whether the outputs have room, and the JSONL logs. It runs on
-rank 0; train.py shares its answers and errors with the other ranks.
+This is the trainer's policy around checkpoint.py's mechanism: one writer per folder, which checkpoint a relaunch
+continues from and whether it belongs to this run (the fingerprint), whether the outputs have room, and the
+logs, written only once the first step has run (a start that fails changes no file). It runs on rank 0;
+train.py shares its answers and errors with the other ranks.
 """
+import contextlib
 import dataclasses
 import datetime
 import fcntl
@@ -64,10 +69,14 @@ def resume_point(out_dir: str, resume: str, overwrite: bool, fp: dict, log) -> s
     return path
 
 
-def check_outputs(needs: list[tuple[str, str, int]]):
-    """Before the first step: for each (path, flag, bytes), the folder is writable, not under a file, and its
-    disk has room for `bytes` (+5% for manifests and headers)."""
-    for path, flag, size in needs:
+def human_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_outputs(needs: list[tuple[str, str, str, int]]):
+    """Before the first step: for each (path, flag, what, bytes), the folder is writable, not under a file, and
+    its disk has room for `bytes` of `what` (+5% for manifests and headers)."""
+    for path, flag, what, size in needs:
         parent = os.path.abspath(path)
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
@@ -77,8 +86,8 @@ def check_outputs(needs: list[tuple[str, str, int]]):
             raise SystemExit(f"error: {flag} {path}: {parent} is not writable; choose another {flag}")
         free = shutil.disk_usage(parent).free
         if free < size * 1.05:
-            raise SystemExit(f"error: {flag} {path}: {free / 2**30:.2f} GiB free on its disk, but it needs about "
-                             f"{size / 2**30:.2f} GiB; free space or choose another {flag}")
+            raise SystemExit(f"error: {flag} {path}: {human_bytes(free)} free on its disk, but {what} needs about "
+                             f"{human_bytes(size)}; free space or choose another {flag}")
 
 
 class JsonlLog:
@@ -136,8 +145,26 @@ class Lock:
         os.write(self.fd, f"the run started {started} on host {socket.gethostname()}, pid {os.getpid()}\n".encode())
 
     def abandon(self):
-        """A start that failed leaves the folder as it found it: the lock file goes, and the folder if it made it."""
-        os.remove(self.path)
-        if self.made_dir and not os.listdir(os.path.dirname(self.path)):
-            os.rmdir(os.path.dirname(self.path))
+        """A start that failed leaves no folder it made behind (a folder that was there keeps its lock file)."""
+        if self.made_dir:
+            os.remove(self.path)
+            with contextlib.suppress(OSError):  # not empty: something else was written there meanwhile
+                os.rmdir(os.path.dirname(self.path))
         os.close(self.fd)
+
+
+def begin(out_dir: str, done: int, config: dict, launch: dict) -> JsonlLog:
+    """Once the first step has run, the run's files: a fresh run (done 0) writes train_config.json and starts
+    launches.jsonl and train.log anew; every launch adds a row to launches.jsonl (the step it continued from, what
+    changed, its whole config). -> metrics.jsonl's log, cut back to step `done`."""
+    os.makedirs(out_dir, exist_ok=True)
+    if done == 0:
+        with open(os.path.join(out_dir, "train_config.json.tmp"), "w") as fh:
+            json.dump(config, fh, indent=2)
+        os.replace(os.path.join(out_dir, "train_config.json.tmp"), os.path.join(out_dir, "train_config.json"))
+        for f in ("launches.jsonl", "train.log"):
+            if os.path.exists(os.path.join(out_dir, f)):
+                os.remove(os.path.join(out_dir, f))
+    with open(os.path.join(out_dir, "launches.jsonl"), "a") as fh:
+        fh.write(json.dumps({**launch, "config": config}) + "\n")
+    return JsonlLog(os.path.join(out_dir, "metrics.jsonl"), done)

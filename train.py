@@ -18,15 +18,20 @@ saving, main.
 import contextlib
 import dataclasses
 import datetime
+import difflib
+import inspect
 import json
 import math
+import re
 import os
 import resource
 import shutil
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +65,12 @@ class TrainConfig:
     data_revision: str = "main"
     data_split: str = "train"
     data_column: str = "text"
+    # rows: {"text"}, {"messages": [...]} or {"prompt", "completion"} (data.py); conversations use the chat
+    # template of the tokenizer's folder
+    packing: str = "auto"         # concat: texts end to end, attending across (PG-19) | docs: each document
+                                  # attends to itself alone | auto: concat for text rows, docs for the others
+    assistant_only_loss: bool = True   # messages rows: train on the assistant's turns only
+    completion_only_loss: bool = True  # prompt/completion rows: train on the completion only
     seq_len: int = 1_048_576
     cp: int = 0                   # context-parallel degree; 0 = the world size. Data parallel = world / cp
     grad_accum: int = 1           # sequences per rank group per optimizer step
@@ -135,6 +146,10 @@ PRESETS = {
 def parse_args(argv) -> tuple[TrainConfig, set]:
     """--config NAME picks a preset; every other --key value overrides one field. -> (config, the fields given
     on the command line: levers given there win over --fit auto's plan)."""
+    if argv and argv[0] in ("-h", "--help"):
+        if os.environ.get("RANK", "0") == "0":
+            print(flag_help())
+        sys.exit(0)
     if len(argv) % 2 or any(not k.startswith("--") for k in argv[::2]):
         raise SystemExit(f"error: arguments come in --key value pairs; got {argv}")
     pairs = {k[2:]: v for k, v in zip(argv[::2], argv[1::2])}
@@ -142,10 +157,12 @@ def parse_args(argv) -> tuple[TrainConfig, set]:
     if name not in PRESETS:
         raise SystemExit(f"error: --config {name}: unknown preset; choose one of {sorted(PRESETS)}")
     cfg = TrainConfig(**{**PRESETS[name], "config": name})
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
     for key, text in pairs.items():
         if key not in fields:
-            raise SystemExit(f"error: --{key}: unknown flag; the flags are {', '.join('--' + f for f in fields)}")
+            near = difflib.get_close_matches(key, fields, n=1)
+            raise SystemExit(f"error: --{key}: unknown flag" + (f"; did you mean --{near[0]}?" if near else "")
+                             + " (python train.py --help lists every flag)")
         kind = type(getattr(cfg, key))
         if kind is bool:
             if text.lower() not in ("true", "false"):
@@ -160,6 +177,25 @@ def parse_args(argv) -> tuple[TrainConfig, set]:
     return cfg, set(pairs) | set(PRESETS[name])
 
 
+def flag_help() -> str:
+    """`--help`: every flag with its default and the comment beside its field in TrainConfig."""
+    lines, out = inspect.getsource(TrainConfig).splitlines(), []
+    for line in lines:
+        m = re.match(r"    (\w+): [^=]+= (.+?)(?:\s+# (.*))?$", line)
+        if m:
+            out.append(f"  --{m[1]} {m[2]}" + (f"  # {m[3]}" if m[3] else ""))
+        elif re.match(r"\s{20,}# ", line) and out:  # a comment continued on the next line
+            out[-1] += " " + line.strip()[2:]
+        elif line.strip().startswith("# "):
+            out.append(line.strip())
+    return ("usage: torchrun --nproc_per_node N train.py [--config PRESET] [--key value ...]; presets: "
+            + ", ".join(PRESETS) + "\n" + "\n".join(out))
+
+
+def human_count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} K"
+
+
 def check_config(cfg: TrainConfig, world: int) -> int:
     """Everything that can be said about the flags before any work starts (the same on every rank); -> cp."""
     def need(ok, msg):
@@ -170,6 +206,7 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     for key in ("dtype", "param_dtype"):
         need(getattr(cfg, key) in ("bfloat16", "float32"), f"--{key} {getattr(cfg, key)}: use bfloat16 or float32")
     need(cfg.fit in ("auto", "off"), f"--fit {cfg.fit}: use auto or off")
+    need(cfg.packing in ("auto", *data.PACKINGS), f"--packing {cfg.packing}: use auto, concat or docs")
     need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0, "--gpu_mem_gib and --host_mem_gib must be >= 0")
     need(cfg.offload_layers >= -1 and cfg.keep_attention_layers >= -1,
          "--offload_layers and --keep_attention_layers count blocks: 0 or more, or -1 for every block")
@@ -210,7 +247,7 @@ def check_config(cfg: TrainConfig, world: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def init_distributed(cfg: TrainConfig):
-    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` runs as a world of one."""
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` runs as a world of one. -> (rank, world, store)."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -225,14 +262,58 @@ def init_distributed(cfg: TrainConfig):
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=timeout)
-    return rank, world
+    return rank, world, store
 
 
-def say_error(msg: str):
-    """One line on stderr in one write: the ranks share the launcher's stderr, and print()'s separate write of
-    the newline let two ranks' lines run together."""
-    sys.stderr.write(msg.replace("\n", " ") + "\n")
-    sys.stderr.flush()
+def write_line(stream, line: str) -> bool:
+    """One line in one write (ranks share the launcher's streams: separate writes let two ranks' lines run
+    together). If the reader went away (a closed pipe, a killed `tee`), the stream is pointed at /dev/null so
+    that no later write, nor Python's flush at exit, fails again; the run goes on. -> whether it was written."""
+    try:
+        stream.write(line.replace("\n", " ") + "\n")
+        stream.flush()
+        return True
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        return False
+
+
+class Log:
+    """What a rank says. Rank 0's lines go to stdout and to out_dir/train.log (appended, flushed line by line),
+    so that the run's record survives a lost terminal or a dead pipe. Lines said before the run is known to start
+    are held and written when open() is called, so a start that fails leaves no file behind. Errors (any rank) go
+    to stderr, and rank 0's to train.log too."""
+
+    def __init__(self, rank: int):
+        self.rank, self.fh, self.held = rank, None, []
+
+    def __call__(self, line: str):
+        if self.rank == 0:
+            self._keep(line)
+            write_line(sys.stdout, line)
+
+    def error(self, line: str):
+        if self.rank == 0:
+            self._keep(line)
+        write_line(sys.stderr, line)
+
+    def _keep(self, line: str):
+        if self.fh is None:
+            self.held.append(line)
+        else:
+            write_line(self.fh, line)
+
+    def open(self, path: str):
+        if self.rank == 0 and self.fh is None:
+            self.fh = open(path, "a")
+            for line in self.held:
+                write_line(self.fh, line)
+            self.held = []
+
+
+class RankZeroSaid(SystemExit):
+    """An error every rank raises together (found by rank 0 in on_rank0, or agreed): rank 0 alone prints it."""
 
 
 def on_rank0(fn, group=None):
@@ -248,19 +329,19 @@ def on_rank0(fn, group=None):
             msg[1] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(msg, src=0, group=group)
     if msg[1] is not None:
-        raise SystemExit(msg[1] if msg[1].startswith("error") else f"error (on rank 0): {msg[1]}")
+        raise RankZeroSaid(msg[1] if msg[1].startswith("error") else f"error (on rank 0): {msg[1]}")
     return msg[0]
 
 
 class StopRequest:
-    """SIGTERM, SIGINT and SIGUSR1 (what schedulers send before preemption) only set a flag: the step in flight
-    finishes, and at its end all ranks agree to save and exit. A second SIGINT stops at once. A worker whose
-    launcher (torchrun) died stops the same way instead of training on as an orphan."""
+    """SIGTERM, SIGINT, SIGUSR1 (what schedulers send before preemption) and SIGHUP (a lost terminal) only set a
+    flag: the step in flight finishes, and at its end all ranks agree to save and exit. A second SIGINT stops at
+    once. A worker whose launcher (torchrun) died stops the same way instead of training on as an orphan."""
 
     def __init__(self):
         self.signal = None
         self.parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
@@ -276,6 +357,61 @@ class StopRequest:
         return None
 
 
+class Watchdog:
+    """No rank waits forever for a peer that is gone. A collective whose peer died or froze would wait for
+    --dist_timeout_min (NCCL's own watchdog) while holding the GPU; torchrun ends the others only when a worker
+    exits. So a thread on every rank bumps a counter in the rendezvous store every `every_s` seconds and reads
+    its peers'; a rank that stops with an error posts it there first. A rank whose peer posted an error and has
+    not ended by itself `grace_s` later, or whose peer's counter has not moved for `stale_s` (the process died or
+    froze), says so in one line and exits, from inside a collective if need be. Nothing is lost by that: a save
+    needs every rank, so the newest checkpoint is already the last state that can be saved."""
+
+    def __init__(self, store, rank: int, world: int, log, every_s=3.0, stale_s=30.0, grace_s=10.0):
+        self.store, self.rank, self.world, self.log = dist.PrefixStore("watchdog/", store), rank, world, log
+        self.every_s, self.stale_s, self.grace_s = every_s, stale_s, grace_s
+        self.stop = threading.Event()
+        if world > 1:
+            threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def _watch(self):
+        seen = {r: (-1, time.monotonic()) for r in range(self.world) if r != self.rank}  # counter, when it moved
+        failed_at = None
+        try:
+            while not self.stop.wait(self.every_s):
+                self.store.add(f"beat/{self.rank}", 1)
+                now = time.monotonic()
+                if self.store.add("failed", 0):
+                    failed_at = failed_at or now
+                    if now - failed_at > self.grace_s:
+                        return self._end(self.store.get("error").decode())
+                for r, (count, moved) in seen.items():
+                    if self.store.add(f"done/{r}", 0):
+                        continue
+                    new = self.store.add(f"beat/{r}", 0)
+                    if new != count:
+                        seen[r] = (new, now)
+                    elif now - moved > self.stale_s:
+                        return self._end(f"rank {r} has not answered for {now - moved:.0f} s (it died or hangs)")
+        except Exception:  # the store is gone with the launcher: StopRequest notices that at the step's end
+            return
+
+    def _end(self, why: str):
+        self.log.error(f"error (rank {self.rank}): {why}; ending this rank. Relaunch the same command to continue "
+                       "from the newest checkpoint")
+        os._exit(1)
+
+    def failed(self, msg: str):
+        """This rank stops with an error: tell the others, who may be waiting for it in a collective."""
+        with contextlib.suppress(Exception):
+            self.store.set("error", msg)
+            self.store.add("failed", 1)
+
+    def finished(self):
+        self.stop.set()
+        with contextlib.suppress(Exception):
+            self.store.add(f"done/{self.rank}", 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Building: the mesh, the model, the optimizer, the data
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +424,6 @@ class Setup:
     mcfg: Qwen3Config
     model_path: str | None   # the local folder of --model (None for "tiny")
     shapes: dict             # every parameter's full shape (before sharding)
-    positions: torch.Tensor  # [1, T/cp] this rank's global positions (zigzag)
     device: torch.device
 
 
@@ -301,10 +436,10 @@ def setup(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Setup:
     attn = parallel.RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
     model, mcfg, path, shapes = build_model(cfg, given, mesh, attn, device, log)
     n_params = sum(math.prod(s) for s in shapes.values())
-    log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {n_params / 1e9:.3f} B parameters, "
-        f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}")
-    positions = parallel.zigzag_positions(cfg.seq_len, mesh.get_local_rank("cp"), cp, device=device)[None]
-    return Setup(mesh, model, mcfg, path, shapes, positions, device)
+    log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {human_count(n_params)} parameters, "
+        f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}"
+        + (f" ({parallel.fa4_unavailable()})" if cfg.attn_backend == "auto" and attn.backend == "cudnn" else ""))
+    return Setup(mesh, model, mcfg, path, shapes, device)
 
 
 def model_folder(spec: str) -> str:
@@ -431,48 +566,70 @@ def init_optimizer_state(opt):
 def make_batches(cfg: TrainConfig, s: Setup, source: str, split: str, grad_accum: int) -> data.Batches:
     """This rank's micro-batches of `source` (its `split`): one loader per data-parallel group (data.Batches)."""
     dp, dp_rank = s.mesh.size(0), s.mesh.get_local_rank("dp")
+    kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=split, text_column=cfg.data_column)
+    if cfg.data_repo:
+        kw["repo"] = cfg.data_repo
+    packing = cfg.packing if cfg.packing != "auto" else on_rank0(lambda: data.default_packing(
+        source, **{k: v for k, v in kw.items() if k != "seed"}))
 
     def make_loader():
         tok = data.load_tokenizer(data.tokenizer_spec(cfg.tokenizer, s.model_path))
         if tok.vocab_size > s.mcfg.vocab_size:
             raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                              f"{s.mcfg.vocab_size}; use the model's own tokenizer")
-        kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=split, text_column=cfg.data_column)
-        if cfg.data_repo:
-            kw["repo"] = cfg.data_repo
-        return data.WindowLoader(lambda start_book: data.iter_books(source, start_book=start_book, **kw), tok,
-                                 cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
-    return data.Batches(make_loader, cfg.seq_len, grad_accum, s.mesh.get_group("cp"), s.device)
+        if packing == "concat":  # text laid end to end, as read
+            rows = lambda start: data.iter_books(source, start_book=start, **kw)  # noqa: E731
+        else:                    # each row a document: text, a conversation, a prompt and its completion
+            rows = lambda start: data.iter_documents(  # noqa: E731
+                source, tok, start_row=start, assistant_only_loss=cfg.assistant_only_loss,
+                completion_only_loss=cfg.completion_only_loss, **kw)
+        return data.WindowLoader(rows, tok, cfg.seq_len, dp_rank=dp_rank, dp_size=dp, packing=packing)
+    return data.Batches(make_loader, cfg.seq_len, grad_accum, packing, s.mesh.get_group("cp"), s.device)
 
 
 # ---------------------------------------------------------------------------------------------
 # The step
 # ---------------------------------------------------------------------------------------------
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_steps, then cosine down to lr * min_lr_ratio at max_steps (steps from 1)."""
-    if step <= cfg.warmup_steps:
+def lr_at(step: int, cfg: TrainConfig, anchor=None) -> float:
+    """Linear warmup over warmup_steps, then cosine down to lr * min_lr_ratio at max_steps (steps from 1).
+    anchor [d, f]: after step d the cosine starts from the fraction f of lr instead (schedule_anchor)."""
+    if anchor is not None and step > anchor[0]:
+        start, top = anchor
+    elif step <= cfg.warmup_steps:
         return cfg.lr * step / max(cfg.warmup_steps, 1)
-    t = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    else:
+        start, top = cfg.warmup_steps, 1.0
+    t = min((step - start) / max(cfg.max_steps - start, 1), 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (top - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train_step(model, opt, batch, positions, n_tokens: int, cfg: TrainConfig, lr: float):
+def step_counts(batch: list[data.Micro], cp_rank: int, device) -> tuple[int, int]:
+    """(trained pairs, padding pairs) in this step's windows over every rank: the loss's divisor, counted from the
+    labels each step (never a constant of the config: conversations train on part of their tokens)."""
+    t = torch.stack([sum((m.labels != -100).sum() for m in batch),
+                     torch.tensor(sum(m.pad for m in batch) if cp_rank == 0 else 0, device=device)])
+    dist.all_reduce(t)
+    return tuple(t.tolist())
+
+
+def train_step(model, opt, batch: list[data.Micro], n_trained: int, cfg: TrainConfig, lr: float):
     """Forward + backward over the micro-batches, clip, AdamW. -> (loss, grad_norm, applied, loss_by_position),
-    where loss is the global mean NLL over the n_tokens target tokens of every rank and micro-batch, and
-    loss_by_position the same mean over each of --loss_buckets spans of the sequence. A non-finite loss or grad
-    norm (the same on every rank: both are all-reduced) skips the update: no weight changes."""
+    where loss is the global mean NLL over the n_trained target tokens of every rank and micro-batch (a rank
+    holding none still runs every collective, adding zero), and loss_by_position the same mean over each of
+    --loss_buckets spans of position. A non-finite loss or grad norm (the same on every rank: both are
+    all-reduced), or a step with nothing to train on, skips the update: no weight changes."""
     for g in opt.param_groups:
         g["lr"] = lr
-    sums = PositionSums(positions, cfg.seq_len, cfg.loss_buckets)
-    for inputs, labels in batch:
-        out = model(inputs, positions, labels, loss_chunk=cfg.loss_chunk)
-        (out.loss_sum / n_tokens).backward()  # each rank's share of the global mean; FSDP2 sums the gradients
-        sums.add(out, labels)
+    sums = PositionSums(cfg.seq_len, cfg.loss_buckets, batch[0].labels.device)
+    for m in batch:
+        out = model(m.inputs, m.positions, m.labels, loss_chunk=cfg.loss_chunk, doc_lens=m.doc_lens)
+        (out.loss_sum / max(n_trained, 1)).backward()  # each rank's share of the global mean; FSDP2 sums gradients
+        sums.add(out, m)
     loss_sum, by_position = sums.reduce()
     grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    loss = loss_sum / n_tokens
-    applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    loss = loss_sum / max(n_trained, 1)
+    applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm)) and n_trained > 0
     if applied:
         opt.step()
     opt.zero_grad(set_to_none=True)
@@ -480,20 +637,21 @@ def train_step(model, opt, batch, positions, n_tokens: int, cfg: TrainConfig, lr
 
 
 class PositionSums:
-    """The loss summed over rows, and over each of k equal spans of the sequence's global positions: position
-    p (the input token whose successor is predicted) lies in span p·k // seq_len, wherever zigzag sharding put it.
-    Adding chunked_nll's row_nll costs two index_adds of T/cp values; reduce() is one all-reduce of 2k + 1
-    numbers, the collective the loss alone needed anyway."""
+    """The loss summed over rows, and over each of k equal spans of position: a row at position p (the input
+    token whose successor is predicted; with packed documents, its place in its document) lies in span
+    p·k // seq_len, wherever zigzag sharding put it. Adding chunked_nll's row_nll costs two index_adds of T/cp
+    values; reduce() is one all-reduce of 2k + 1 numbers, the collective the loss alone needed anyway."""
 
-    def __init__(self, positions, seq_len: int, k: int):
-        self.k, self.bucket = k, positions[0] * k // seq_len          # [T/cp] the span of each of this rank's rows
-        self.acc = torch.zeros(1 + 2 * k, device=positions.device)   # [loss sum, loss sum by span, targets by span]
+    def __init__(self, seq_len: int, k: int, device):
+        self.seq_len, self.k = seq_len, k
+        self.acc = torch.zeros(1 + 2 * k, device=device)  # [loss sum, loss sum by span, targets by span]
 
-    def add(self, out, labels):
-        """out: chunked_nll's result for one sequence's rows on this rank; labels [1, T/cp]."""
+    def add(self, out, m: "data.Micro"):
+        """out: chunked_nll's result for one micro-batch's rows on this rank."""
+        bucket = m.positions[0] * self.k // self.seq_len                     # [T/cp] the span of each row
         self.acc[0] += out.loss_sum.detach()
-        self.acc[1:1 + self.k].index_add_(0, self.bucket, out.row_nll)
-        self.acc[1 + self.k:].index_add_(0, self.bucket, (labels[0] != -100).to(self.acc.dtype))
+        self.acc[1:1 + self.k].index_add_(0, bucket, out.row_nll)
+        self.acc[1 + self.k:].index_add_(0, bucket, (m.labels[0] != -100).to(self.acc.dtype))
 
     def reduce(self, group=None):
         """Summed over the ranks of `group` (default: all: context, data parallel) -> (loss sum as a 0-d tensor,
@@ -501,6 +659,10 @@ class PositionSums:
         dist.all_reduce(self.acc, group=group)
         k, acc = self.k, self.acc
         return acc[0], [x if math.isfinite(x) else None for x in (acc[1:1 + k] / acc[1 + k:]).tolist()]
+
+    def count(self) -> int:
+        """Target tokens summed (after reduce())."""
+        return int(self.acc[1 + self.k:].sum().item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,16 +675,61 @@ class Run:
     s: Setup
     opt: torch.optim.Optimizer
     batches: data.Batches
-    n_tokens: int            # target tokens per step over all ranks and micro-batches
-    flops: float             # useful FLOPs per step over all ranks (MFU's numerator: plan.useful_flops)
+    n_pairs: int             # (input, label) pairs per step over all ranks and micro-batches
+    flops: tuple             # useful FLOPs per step over all ranks (plan.useful_flops): (matmuls, causal attention)
     fingerprint: dict
     done: int                # steps already trained (from the checkpoint resumed)
-    metrics: "rundir.JsonlLog | None"
+    lr_anchor: list | None   # [step, fraction of --lr] where a changed schedule continues from (lr_at)
+    launch: dict             # this launch, for out_dir/launches.jsonl
+    lock: "rundir.Lock | None"  # rank 0: out_dir is this run's
+    metrics: "rundir.JsonlLog | None" = None  # rank 0, opened once the first step has run
+
+
+# Flags a resumed run must keep: they define what the checkpoint holds (model, data stream, state dtype). The
+# rest may change on resume (--max_steps, --lr, levers, checkpoint and eval cadence, ...), each named in the log.
+FIXED_ON_RESUME = ("model", "tokenizer", "yarn_factor", "yarn_original_max_position_embeddings", "data",
+                   "data_repo", "data_revision", "data_split", "data_column", "packing", "seq_len", "seed",
+                   "param_dtype")
+
+
+def resume_changes(cfg: TrainConfig, saved: dict) -> dict:
+    """{flag: [value in the checkpoint's launch, value now]} for the flags that changed; stops on a fixed one."""
+    now = dataclasses.asdict(cfg)
+    changed = {k: [saved[k], v] for k, v in now.items()
+               if k in saved and saved[k] != v and k not in ("config", "resume", "overwrite")}
+    fixed = [k for k in changed if k in FIXED_ON_RESUME]
+    if fixed:
+        raise SystemExit("error: a resumed run keeps " + ", ".join(f"--{k} {saved[k]} (given: {now[k]})" for k in fixed)
+                         + f"; use the values it started with, or another --out_dir for a new run")
+    return changed
+
+
+def schedule_anchor(cfg: TrainConfig, saved: dict, anchor, done: int) -> list | None:
+    """Where the LR schedule continues from when its shape changed on resume (--max_steps, --warmup_steps or
+    --min_lr_ratio): the fraction of --lr the run had reached at step `done`, on the old schedule. Without it,
+    a cosine recomputed over a longer run jumps up (3e-4 -> 2.2e-3 in the demo raised from 150 to 300 steps)."""
+    keys = ("max_steps", "warmup_steps", "min_lr_ratio")
+    if all(saved.get(k) == getattr(cfg, k) for k in keys) or done <= saved.get("warmup_steps", 0):
+        return anchor  # unchanged, or still warming up (the cosine has not begun: nothing to jump from)
+    old = dataclasses.replace(cfg, **{k: saved[k] for k in (*keys, "lr")})
+    return [done, lr_at(done, old, anchor) / old.lr]
 
 
 def start_run(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Run:
-    """The setup, the optimizer and the data; then the checkpoint to resume (if any), the output checks and the
-    log."""
+    """out_dir taken (rundir.Lock), the setup, the optimizer and the data; then the checkpoint to resume (if any),
+    what changed since the last launch, and the output checks. Nothing in out_dir changes until step 1 is done,
+    but the lock file."""
+    held = {}
+    on_rank0(lambda: held.update(lock=rundir.Lock(cfg.out_dir)))
+    try:
+        return _start_run(cfg, given, cp, world, log, held.get("lock"))
+    except BaseException:
+        if held.get("lock"):
+            held["lock"].abandon()
+        raise
+
+
+def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, log, lock) -> Run:
     s = setup(cfg, given, cp, world, log)
     if cfg.offload:
         check_host_memory(cfg, s.mcfg, world, log)
@@ -535,34 +742,47 @@ def start_run(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Run:
     data_fp = {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
                                             "seq_len", "seed")}
     fp = rundir.fingerprint(s.mcfg, s.shapes, data_fp, data.tokenizer_spec(cfg.tokenizer, s.model_path))
-    resume_from, done = on_rank0(lambda: rundir.resume_point(cfg.out_dir, cfg.resume, cfg.overwrite, fp, log)), 0
+    resume_from = on_rank0(lambda: rundir.resume_point(cfg.out_dir, cfg.resume, cfg.overwrite, fp, log))
+    done, anchor, changes = 0, None, {}
     if resume_from:
         t0 = time.time()
         model_sd, optim_sd = get_state_dict(s.model, opt)
         state = {"model": model_sd, "optim": optim_sd}
         meta = checkpoint.load(resume_from, state)
+        changes = resume_changes(cfg, meta["config"])
         set_state_dict(s.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         batches.load_state_dict(meta["data"])
         done = meta["step"]
+        anchor = schedule_anchor(cfg, meta["config"], meta.get("lr_anchor"), done)
         log(f"resumed from {resume_from} after step {done} (loaded in {time.time() - t0:.1f} s)")
+        if changes:
+            log("changed since the launch that saved it: " + "; ".join(f"--{k} {a} -> {b}" for k, (a, b) in
+                                                                        changes.items()))
+        if anchor != meta.get("lr_anchor") and done < cfg.max_steps:
+            log(f"the LR schedule continues from {lr_at(done, cfg, anchor):.3g} at step {done} on a cosine to "
+                f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps}, without a jump (to warm up again, start "
+                "a new run from an export: --model SAVE_DIR)")
     n_params, pbytes = sum(math.prod(x) for x in s.shapes.values()), getattr(torch, cfg.param_dtype).itemsize
-    needs = [(cfg.out_dir, "--out_dir", 3 * n_params * pbytes)]  # a checkpoint: weights and two AdamW states
+    needs = [(cfg.out_dir, "--out_dir", "a checkpoint", 3 * n_params * pbytes)]  # weights and two AdamW states
     if cfg.save_dir:
-        needs.append((cfg.save_dir, "--save_dir", n_params * pbytes))
+        needs.append((cfg.save_dir, "--save_dir", "the exported model", n_params * pbytes))
     on_rank0(lambda: rundir.check_outputs(needs))
-    log(f"outputs: a checkpoint is about {3 * n_params * pbytes / 2**30:.2f} GiB; {cfg.keep_checkpoints} kept")
-    held = {}  # the log is opened (and cut back to the checkpoint's step) only now that the run is known to start
-    if done < cfg.max_steps:
-        on_rank0(lambda: held.update(metrics=open_log(cfg, done)))
+    log(f"outputs: a checkpoint is about {rundir.human_bytes(3 * n_params * pbytes)}; {cfg.keep_checkpoints} kept")
     dp = world // cp
-    return Run(s, opt, batches, cfg.seq_len * cfg.grad_accum * dp,
-               plan.useful_flops(plan_shape(cfg, s.mcfg, world)) * cfg.grad_accum * dp, fp, done,
-               held.get("metrics"))
+    launch = dict(started=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                  host=socket.gethostname(), world=world, cp=cp, from_step=done, changes=changes, lr_anchor=anchor)
+    shape, steps = plan_shape(cfg, s.mcfg, world), cfg.grad_accum * dp
+    attention = 3 * plan.attention_fwd_flops(shape) * steps
+    return Run(s, opt, batches, cfg.seq_len * steps, (plan.useful_flops(shape) * steps - attention, attention), fp,
+               done, anchor, launch, lock)
 
 
-def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start: float) -> int:
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start: float, log) -> int:
+    preset = PRESETS[cfg.config]
+    differ = [f"--{k} {v}" for k, v in dataclasses.asdict(cfg).items()
+              if k != "config" and v != preset.get(k, getattr(TrainConfig, k))]
+    log(f"config: preset {cfg.config}" + (f", with {' '.join(differ)}" if differ else "")
+        + f" (every value: {cfg.out_dir}/train_config.json once step 1 is done)")
     log(f"world {world} = data parallel {world // cp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
     if cfg.eval_only:
         return evaluate_only(cfg, given, cp, world, log)
@@ -587,15 +807,26 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
             if saved < step - 1 and cfg.checkpoints:
                 save_checkpoint(cfg, run, step - 1, log)
             break
+        except data.DataError as e:  # every rank has it; the steps done so far are kept first
+            if saved < step - 1 and cfg.checkpoints:
+                save_checkpoint(cfg, run, step - 1, log)
+            raise SystemExit(f"{e}; the run stopped before step {step}" + (
+                f" with a checkpoint of step {step - 1}" if cfg.checkpoints and step > 1 else "")) from None
         if cfg.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        with profiled(cfg, step, dist.get_rank(), log):
-            loss, grad_norm, applied, by_position = train_step(s.model, run.opt, batch, s.positions, run.n_tokens,
-                                                               cfg, lr_at(step, cfg))
+        with profiled(cfg, step, rank, log):
+            n_trained, n_pad = step_counts(batch, s.mesh.get_local_rank("cp"), s.device)
+            loss, grad_norm, applied, by_position = train_step(s.model, run.opt, batch, n_trained, cfg,
+                                                               lr_at(step, cfg, run.lr_anchor))
         if step == run.done + 1:
+            if rank == 0:  # the run has started: now its files are written
+                run.metrics = rundir.begin(cfg.out_dir, run.done, dataclasses.asdict(cfg), run.launch)
+                log.open(os.path.join(cfg.out_dir, "train.log"))
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
-        log_step(cfg, run, step, loss, by_position, grad_norm, applied, time.time() - t0, world, log)
-        skipped, zero_norm = (0 if applied else skipped + 1), (zero_norm + 1 if grad_norm == 0 else 0)
+        log_step(cfg, run, step, loss, by_position, grad_norm, applied, time.time() - t0, world, log, batch,
+                 n_trained, n_pad)
+        if n_trained:  # a step with nothing to train on is neither a failure nor a dead model
+            skipped, zero_norm = (0 if applied else skipped + 1), (zero_norm + 1 if grad_norm == 0 else 0)
         check_health(cfg, step, skipped, zero_norm, log)
         if eval_due(cfg, step):
             evaluate(cfg, s, step, eval_log, log)
@@ -622,17 +853,9 @@ def check_health(cfg: TrainConfig, step: int, skipped: int, zero_norm: int, log)
         log("warning: the gradient norm has been exactly 0 for 3 steps: the model may be dead (a loss flat at "
             "ln(vocab) says so); check --lr and the data")
     if skipped >= cfg.max_skipped_steps:
-        raise SystemExit(f"error: {skipped} steps in a row had a non-finite loss or gradient norm (the last at step "
+        raise RankZeroSaid(f"error: {skipped} steps in a row had a non-finite loss or gradient norm (the last at step "
                          f"{step}); they changed no weights. Lower --lr, check the data, or resume from an earlier "
                          "checkpoint")
-
-
-def open_log(cfg: TrainConfig, done: int) -> rundir.JsonlLog:
-    """Rank 0: the run's config beside its metrics, written only once the run is known to start."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, "train_config.json"), "w") as fh:
-        json.dump(dataclasses.asdict(cfg), fh, indent=2)
-    return rundir.JsonlLog(os.path.join(cfg.out_dir, "metrics.jsonl"), done)
 
 
 def peak_memory(cfg: TrainConfig, device) -> float:
@@ -644,23 +867,37 @@ def peak_memory(cfg: TrainConfig, device) -> float:
     return peak.item()
 
 
-def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log):
+def attention_area(batch: list[data.Micro]) -> float:
+    """The share of the full causal triangle that a step's attention computes: 1 for one sequence, the sum of
+    len^2 over len^2 of the window for packed documents (this rank's windows)."""
+    return sum(1.0 if m.doc_lens is None else sum(n * n for n in m.doc_lens) / sum(m.doc_lens) ** 2
+               for m in batch) / len(batch)
+
+
+def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log, batch, n_trained, n_pad):
     """One metrics.jsonl row and one printed line."""
     peak = peak_memory(cfg, run.s.device)
     offload = run.s.model.layers[0].offload
     host = offload.host_bytes() if offload is not None else 0
     lr = run.opt.param_groups[0]["lr"]
-    rec = dict(step=step, loss=loss, grad_norm=grad_norm, num_tokens=run.n_tokens, lr=lr, step_time_s=dt,
-               tokens_per_s=run.n_tokens / dt,
-               mfu=run.flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
+    flops = run.flops[0] + run.flops[1] * attention_area(batch)
+    rec = dict(step=step, loss=loss, grad_norm=grad_norm, num_tokens=n_trained, lr=lr, step_time_s=dt,
+               tokens_per_s=run.n_pairs / dt,
+               mfu=flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
                peak_mem_gib=peak / 2**30, host_pinned_gib=host / 2**30,
-               loss_by_position=by_position)  # [--loss_buckets] means over equal spans of the sequence
+               loss_by_position=by_position)  # [--loss_buckets] means over equal spans of position
+    if batch[0].doc_lens is not None:  # packed documents: what the windows held
+        rec.update(docs=sum(len(m.doc_lens) for m in batch) / len(batch), pad_share=n_pad / run.n_pairs,
+                   untrained_share=1 - (n_trained + n_pad) / run.n_pairs, skipped_rows=run.batches.skipped)
     if not applied:
         rec["skipped"] = True
+    why = "nothing to train on in these windows" if not n_trained else "non-finite loss or grad norm"
     log(f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
         f"{rec['tokens_per_s']:,.0f} tok/s | " + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
         + f"{dt:.2f} s | peak mem {rec['peak_mem_gib']:.1f} GiB"
-        + ("" if applied else " | SKIPPED: non-finite loss or grad norm, no weight changed"))
+        + (f" | {rec['docs']:.0f} docs, {rec['pad_share']:.1%} padding, {rec['untrained_share']:.1%} untrained"
+           if "docs" in rec else "")
+        + ("" if applied else f" | SKIPPED: {why}, no weight changed"))
     if run.metrics:
         run.metrics.write(rec)
 
@@ -693,24 +930,24 @@ def evaluate(cfg: TrainConfig, s: Setup, step: int, eval_log, log) -> dict:
     batches = make_batches(cfg, s, source, cfg.eval_split, 1)
     if cfg.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    sums, sequences = PositionSums(s.positions, cfg.seq_len, cfg.loss_buckets), 0
+    sums, sequences = PositionSums(cfg.seq_len, cfg.loss_buckets, s.device), 0
     try:
         with torch.no_grad():
             while sequences < cfg.eval_sequences:
                 try:
-                    [(inputs, labels)] = batches.next()                       # [1, T/cp] each
+                    [m] = batches.next()
                 except data.DataEnd:
                     break
-                sums.add(s.model(inputs, s.positions, labels, loss_chunk=cfg.loss_chunk), labels)
+                sums.add(s.model(m.inputs, m.positions, m.labels, loss_chunk=cfg.loss_chunk, doc_lens=m.doc_lens), m)
                 sequences += dp
     finally:
         batches.close()
     if sequences == 0:  # the loader reports data shorter than one window per rank itself; this is the rest
         raise SystemExit(f"error: --eval_data {source} (split {cfg.eval_split}) has no window of --seq_len + 1 tokens")
     loss_sum, by_position = sums.reduce()
-    n = sequences * cfg.seq_len
+    n = sums.count()  # the target tokens of every window read, over every rank
     peak = peak_memory(cfg, s.device) if cfg.device == "cuda" else None
-    rec = dict(step=step, loss=loss_sum.item() / n, loss_by_position=by_position, sequences=sequences, num_tokens=n,
+    rec = dict(step=step, loss=loss_sum.item() / max(n, 1), loss_by_position=by_position, sequences=sequences, num_tokens=n,
                seq_len=cfg.seq_len, eval_data=source, eval_split=cfg.eval_split, model=cfg.model,
                rope_scaling=s.mcfg.rope_scaling, eval_time_s=time.time() - t0,
                peak_mem_gib=peak / 2**30 if peak is not None else None)
@@ -753,7 +990,8 @@ def save_checkpoint(cfg: TrainConfig, run: Run, step: int, log):
     model_sd, optim_sd = get_state_dict(run.s.model, run.opt)
     root = os.path.join(cfg.out_dir, "checkpoints")
     checkpoint.save(root, step, {"model": model_sd, "optim": optim_sd},
-                    {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg)},
+                    {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg),
+                     "lr_anchor": run.lr_anchor},
                     run.fingerprint, keep=cfg.keep_checkpoints)
     log(f"checkpoint: step {step} saved to {checkpoint.step_dir(root, step)} in {time.time() - t0:.1f} s")
 
@@ -815,23 +1053,37 @@ def profiled(cfg: TrainConfig, step: int, rank: int, log):
 # ---------------------------------------------------------------------------------------------
 
 def main(argv):
-    t_start = time.time()
-    cfg, given = parse_args(argv)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
-    cp = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    rank, code = int(os.environ.get("RANK", "0")), 1
+    t_start, rank = time.time(), int(os.environ.get("RANK", "0"))
+    log = Log(rank)
     try:
-        rank, world = init_distributed(cfg)
-        code = train(cfg, given, cp, rank, world, t_start)
+        cfg, given = parse_args(argv)
+        cp = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except SystemExit as e:  # every rank finds the same fault in the flags: rank 0 alone says it
+        if rank == 0 and isinstance(e.code, str):
+            log.error(e.code)
+        sys.exit(2 if isinstance(e.code, str) else e.code)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
+    watchdog = None
+    try:
+        rank, world, store = init_distributed(cfg)
+        watchdog = Watchdog(store, rank, world, log)
+        code = train(cfg, given, cp, rank, world, t_start, log)
     except BaseException as e:
         msg = error_message(e, cfg, cp, rank)
-        if msg is None:
-            raise
-        # printed now, before the process group is torn down: the launcher may kill this rank once another exits
-        say_error(msg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if watchdog is not None:  # the other ranks may be waiting for this one in a collective
+            watchdog.failed(msg or f"rank {rank} failed: {type(e).__name__}: {e}")
+        if msg is None:  # a bug: its traceback
+            log.error(f"error (rank {rank}): {type(e).__name__}: {e}")
+            traceback.print_exc()
+        elif rank == 0 or not isinstance(e, RankZeroSaid):
+            log.error(msg)
+        # Out without tearing the process group down: under NCCL that can wait on a collective that a dead peer
+        # never joins. The OS frees the rest.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    watchdog.finished()
+    dist.destroy_process_group()
     sys.exit(code)
 
 

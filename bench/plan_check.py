@@ -47,7 +47,7 @@ def run(a):
     if not fit:
         raise SystemExit("error: no plan in the output: plan_check needs --fit auto (train.py's default)")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    cfg = json.loads(re.search(r"config: (\{.*\})", said).group(1))
+    cfg = json.load(open(os.path.join(out, "train_config.json")))
     timed = rows[1:] or rows
     return dict(model=a.model, seq_len=a.seq_len, cp=cfg["cp"] or a.nproc, world=a.nproc, extra=a.extra,
                 param_dtype=cfg["param_dtype"], backend=re.search(r"attention kernels: (\w+)", said).group(1),

@@ -34,9 +34,9 @@ def die():
 _lr_at = train.lr_at
 
 
-def lr_at(step, cfg):  # called once per step, just before train_step: tells the wrappers which step runs
+def lr_at(step, cfg, *rest):  # called once per step, just before train_step: tells the wrappers which step runs
     current["step"] = step
-    return _lr_at(step, cfg)
+    return _lr_at(step, cfg, *rest)
 
 
 train.lr_at = lr_at

@@ -46,7 +46,7 @@ def assert_same_run(a, b):
 
 
 def error_lines(p):
-    """The lines train.py printed as errors (one per rank), with no traceback from train.py's code."""
+    """The lines train.py printed as errors, with no traceback from train.py's code."""
     assert 'train.py", line' not in p.stderr and "checkpoint.py\", line" not in p.stderr, p.stderr[-3000:]
     return [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error")]
 
@@ -171,7 +171,7 @@ def test_repeated_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, referen
     p = launch(2, out, "--max_steps", "8", "--ckpt_every", "2", "--max_skipped_steps", "2", fault="nan:5:8")
     assert p.returncode != 0
     lines = error_lines(p)
-    assert len(lines) == 2 and "2 steps in a row had a non-finite" in lines[0], lines
+    assert len(lines) == 1 and "2 steps in a row had a non-finite" in lines[0], lines
     assert steps(out) == [2, 4]
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
     assert [(r["loss"], r["grad_norm"]) for r in rows(out)[:4]] == [(r["loss"], r["grad_norm"])
@@ -203,7 +203,7 @@ def test_resume_refuses_another_model_and_none_refuses_to_overwrite(tmp_path):
     (tmp_path / "other" / "config.json").write_text(json.dumps(cfg))
     p = launch(2, out, "--max_steps", "4", "--model", str(tmp_path / "other"))
     lines = error_lines(p)
-    assert p.returncode != 0 and len(lines) == 2 and "belongs to another run" in lines[0] and "model.hidden_size 64 -> 32" in lines[0], lines
+    assert p.returncode != 0 and len(lines) == 1 and "belongs to another run" in lines[0] and "model.hidden_size 64 -> 32" in lines[0], lines
     before = open(out / "metrics.jsonl").read()
     p = launch(2, out, "--max_steps", "4", "--resume", "none")
     lines = error_lines(p)
@@ -265,7 +265,7 @@ def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
     big.write_bytes(b"\0" * (1900 * 1024))
     p = launch(2, small_disk / "run", "--max_steps", "4")
     lines = error_lines(p)
-    assert p.returncode != 0 and "GiB free on its disk, but a checkpoint needs" in lines[0], lines
+    assert p.returncode != 0 and "MiB free on its disk, but a checkpoint needs about" in lines[0], lines
     assert not (small_disk / "run" / "metrics.jsonl").exists()
 
 

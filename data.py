@@ -1009,7 +1009,7 @@ class Batches:
                 else:
                     w.zero_()
                     w[0, :T], w[1, :T], w[2, T] = got.inputs, got.labels, got.pad
-                    w[2, torch.tensor(got.doc_lens[:-1]).cumsum(0)] = 1       # where documents 2.. start
+                    w[2, torch.tensor(got.doc_lens[:-1], dtype=torch.long).cumsum(0)] = 1  # documents 2.. start
                     w[2, 0] = 1
             except StopIteration:
                 ended = True

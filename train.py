@@ -134,14 +134,6 @@ PRESETS = {
                  tiled_mlp=False, loss_chunk=512, out_dir="runs/demo"),
 }
 
-PRESETS = {
-    "qwen3-8b-1m": {},
-    # ~45 s on 2 CPU cores with 2 ranks; the loss falls from 5.5 (uniform over 257 bytes) to ~2.4
-    "demo": dict(model="tiny", tokenizer="byte", yarn_factor=0.0, data="synthetic", seq_len=4096, max_steps=150,
-                 lr=3e-3, warmup_steps=10, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
-                 tiled_mlp=False, loss_chunk=512, out_dir="runs/demo"),
-}
-
 
 def parse_args(argv) -> tuple[TrainConfig, set]:
     """--config NAME picks a preset; every other --key value overrides one field. -> (config, the fields given

@@ -1106,4 +1106,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ValueError, RowError) as e:  # bad input: one line, no traceback
+        sys.exit(f"error: {type(e).__name__}: {str(e).splitlines()[0]}")

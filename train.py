@@ -93,7 +93,7 @@ class TrainConfig:
     fit: str = "auto"             # auto: the fastest levers predicted to fit this node (plan.py) | off: as given
     gpu_mem_gib: float = 0.0      # GPU memory per rank the plan may use (0 = what is free on the GPU now)
     host_mem_gib: float = 0.0     # host memory per node the plan may use (0 = RAM, or the cgroup's limit)
-    recompute: bool = True        # recompute each block in backward, keeping only its input (was --checkpoint)
+    recompute: bool = True        # recompute each block in backward, keeping only its input
     offload: bool = True          # keep what is kept in pinned host memory
     offload_layers: int = -1      # offload only the first N blocks' tensors (-1 = all): when host RAM is short
     keep_attention: bool = True   # keep attention's output + lse instead of recomputing attention in backward

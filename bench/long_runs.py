@@ -57,7 +57,7 @@ def main():
         lines.append(line)
         print("   ", line.rstrip()[:200], flush=True)
         if line.startswith("step    3") and t_signal is None:
-            t_signal = time.time()  # the workers, not torchrun: as `pkill -USR1 -P <torchrun pid>` in the README
+            t_signal = time.time()  # the workers, not torchrun: as `pkill -USR1 -P <torchrun pid>` in bench/slurm.sh
             for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
                 os.kill(int(pid), signal.SIGTERM)
     proc.wait()

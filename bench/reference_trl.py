@@ -38,9 +38,9 @@ where torch reports it: blocks rounded up to powers of two); the logged loss and
 Rank 0 prints one line per step and writes one JSON (after every step, so a run cut short keeps its steps).
 Written against trl 1.16.0, transformers 5.17.0 and accelerate 1.15.0. Run on 2 x H200 (torch 2.11, CUDA 13) at
 262,144 tokens, cp 2, fp32 master weights: Qwen3-8B 103.6 s/step, peak 95.9 GiB; Qwen3-1.7B 39.0 s/step, peak
-31.4 GiB (bench/results/reference_trl_*.json; the comparison with train.py is in the README).
+31.4 GiB (bench/results/reference_trl_*.json; the comparison with train.py is in bench/RESULTS.md).
 
-    # 2 x H200 (the README's comparison; then train.py at the same shapes, the same param dtype):
+    # 2 x H200 (the comparison in bench/RESULTS.md; then train.py at the same shapes, the same param dtype):
     torchrun --standalone --nproc_per_node 2 bench/reference_trl.py --model bench/configs/qwen3-1.7b \\
         --seq_len 262144 --cp 2 --steps 3 --out bench/results/reference_trl_1.7b_262k.json
     torchrun --standalone --nproc_per_node 2 bench/reference_trl.py --model bench/configs/qwen3-8b \\

@@ -9,5 +9,10 @@
 trap 'preempted=1; pkill -USR1 -P "$TORCHRUN"' USR1
 torchrun --standalone --nproc_per_node 8 --max-restarts 0 train.py --out_dir runs/qwen3-8b-1m &
 TORCHRUN=$!
-wait "$TORCHRUN"; wait "$TORCHRUN"   # the first wait returns when the trap runs
-[ "${preempted:-0}" = 1 ] && scontrol requeue "$SLURM_JOB_ID"
+wait "$TORCHRUN"; code=$?
+if [ "${preempted:-0}" = 1 ]; then
+    wait "$TORCHRUN"   # the first wait returned when the trap ran; the workers are saving
+    scontrol requeue "$SLURM_JOB_ID"   # the requeued job waits for nothing: out_dir's lock is freed on exit
+    exit 0
+fi
+exit "$code"

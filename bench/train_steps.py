@@ -1,10 +1,10 @@
 """Time real training steps of train.py on one GPU: random-init Qwen3 shapes, synthetic data, a few steps each.
 
-    python bench/train_steps.py                                   # the table of the README
+    python bench/train_steps.py                                   # the table in bench/RESULTS.md
     python bench/train_steps.py --runs qwen3-1.7b:32768 --steps 3 --extra "--offload false"
 
 Weights and AdamW states are bf16 (--param_dtype bfloat16), as in the reference recipe's single-GPU run that the
-README compares with; --extra "--param_dtype float32" gives train.py's default (fp32 master weights: 8 more bytes
+bench/RESULTS.md compares with; --extra "--param_dtype float32" gives train.py's default (fp32 master weights: 8 more bytes
 per parameter, 30 GiB more for Qwen3-4B on one GPU, 1/world of that under FSDP2).
 Each run is `torchrun --nproc_per_node 1 train.py ...` in its own process (so peak memory is per run); the step
 time is the median of the steps after the first (which includes compilation and warm-up). MFU counts useful

@@ -39,9 +39,9 @@ class Constants:
     ring_bytes_per_token_qdim: float    # with cp > 1: the ring's fp32 output and dq accumulators (8) and K/V in flight
 
 
-FITTED = Constants(attn_tflops=dict(cudnn=527.6, fa4=610.6),  # kernel benchmark: cuDNN 539-555, FA4 621-622
-                   gemm_tflops=642.0,                           # profile: ~700
-                   other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=28.5, ring_bytes_per_token_qdim=9.16)
+FITTED = Constants(attn_tflops=dict(cudnn=527.6, fa4=610.2),  # kernel benchmark: cuDNN 539-555, FA4 621-622
+                   gemm_tflops=641.3,                           # profile: ~700
+                   other_s_per_mtoken_layer=0.098, work_bytes_per_token_hidden=28.5, ring_bytes_per_token_qdim=8.42)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
@@ -232,7 +232,8 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
                 f"per node (limit {host_cap * s.ranks_per_node / 2**30:.0f} of {host_gib_per_node:.0f}). To fit: "
                 + (f"--cp {need_cp} (more GPUs per sequence), " if need_cp else "")
                 + ("a shorter --seq_len, more GPUs" if gpu_short else "a shorter --seq_len, more host memory")
-                + (f", or --param_dtype bfloat16 (state {4 * s.param_bytes} -> 8 bytes per parameter)"
+                + (f", or --param_dtype bfloat16 --stochastic_rounding true (state {4 * s.param_bytes} -> 8 bytes per "
+                   "parameter, updates kept on average)"
                    if gpu_short and s.param_bytes == 4 else ""))
 
 

@@ -43,6 +43,7 @@ from torch.distributed.rendezvous import rendezvous
 
 import checkpoint
 import data
+import optim
 import parallel
 import plan
 import rundir
@@ -87,7 +88,10 @@ class TrainConfig:
     dtype: str = "bfloat16"       # compute: activations, and the weights as gathered for compute
     param_dtype: str = "float32"  # the sharded weights, their gradients and AdamW states (and --save_dir's files).
                                   # bfloat16 halves their memory, but an AdamW update below bf16's resolution
-                                  # (~1/256 of the weight) is lost: at lr 1e-5 most weights would never move
+                                  # (~1/256 of the weight) is lost: at lr 1e-5 most weights would never move,
+                                  # unless --stochastic_rounding true
+    stochastic_rounding: bool = False  # with --param_dtype bfloat16: updates computed in fp32, rounded to bf16 at
+                                       # random (optim.py): small updates kept on average, 8 bytes per parameter
     attn_backend: str = "auto"    # auto | fa4 | cudnn | flash: the CUDA attention kernels (parallel.py)
     # memory levers (model.py, section 2). With --fit auto, plan.py sets those not given on the command line
     fit: str = "auto"             # auto: the fastest levers predicted to fit this node (plan.py) | off: as given
@@ -198,6 +202,8 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     for key in ("dtype", "param_dtype"):
         need(getattr(cfg, key) in ("bfloat16", "float32"), f"--{key} {getattr(cfg, key)}: use bfloat16 or float32")
     need(cfg.fit in ("auto", "off"), f"--fit {cfg.fit}: use auto or off")
+    need(not cfg.stochastic_rounding or cfg.param_dtype == "bfloat16",
+         "--stochastic_rounding true rounds updates into bf16 weights: it needs --param_dtype bfloat16")
     need(cfg.packing in ("auto", *data.PACKINGS), f"--packing {cfg.packing}: use auto, concat or docs")
     need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0, "--gpu_mem_gib and --host_mem_gib must be >= 0")
     need(cfg.offload_layers >= -1 and cfg.keep_attention_layers >= -1,
@@ -302,6 +308,11 @@ class Log:
             for line in self.held:
                 write_line(self.fh, line)
             self.held = []
+
+
+# A rank that leaves rank 0 to say an error they share waits this long before it exits: torchrun ends the other
+# workers as soon as one exits, and rank 0 could be stopped before it printed the line.
+QUIET_EXIT_S = 3.0
 
 
 class RankZeroSaid(SystemExit):
@@ -532,8 +543,12 @@ def check_host_memory(cfg: TrainConfig, mcfg, world: int, log):
 
 
 def make_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                            weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
+    if cfg.stochastic_rounding:
+        opt = optim.AdamWStochastic(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                    weight_decay=cfg.weight_decay, seed=cfg.seed, rank=dist.get_rank())
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
     init_optimizer_state(opt)
     return opt
 
@@ -725,10 +740,10 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, log, lock) -> 
     s = setup(cfg, given, cp, world, log)
     if cfg.offload:
         check_host_memory(cfg, s.mcfg, world, log)
-    if cfg.param_dtype == "bfloat16":
+    if cfg.param_dtype == "bfloat16" and not cfg.stochastic_rounding:
         log("warning: --param_dtype bfloat16 keeps weights and AdamW states in bf16: an update smaller than about "
-            "1/256 of a weight rounds away (at lr 1e-5, 98% of weights do not move). Use float32 unless you are "
-            "matching a bf16 recipe (as bench/ does, for the single-GPU reference)")
+            "1/256 of a weight rounds away (at lr 1e-5, 98% of weights do not move). Add --stochastic_rounding "
+            "true, or use float32 unless you are matching a bf16 recipe (as bench/ does)")
     opt = make_optimizer(cfg, s.model)
     batches = make_batches(cfg, s, cfg.data, cfg.data_split, cfg.grad_accum)
     data_fp = {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
@@ -1053,6 +1068,8 @@ def main(argv):
     except SystemExit as e:  # every rank finds the same fault in the flags: rank 0 alone says it
         if rank == 0 and isinstance(e.code, str):
             log.error(e.code)
+        elif isinstance(e.code, str):
+            time.sleep(QUIET_EXIT_S)
         sys.exit(2 if isinstance(e.code, str) else e.code)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
     watchdog = None
@@ -1069,6 +1086,8 @@ def main(argv):
             traceback.print_exc()
         elif rank == 0 or not isinstance(e, RankZeroSaid):
             log.error(msg)
+        else:
+            time.sleep(QUIET_EXIT_S)
         # Out without tearing the process group down: under NCCL that can wait on a collective that a dead peer
         # never joins. The OS frees the rest.
         sys.stdout.flush()

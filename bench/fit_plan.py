@@ -22,7 +22,8 @@ from model import Qwen3Config  # noqa: E402
 
 FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json",
              "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json")
-CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check_8b_524k.json")  # never fitted: see check()
+CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check_8b_524k.json",  # never fitted: see check()
+               "plan_check_8b_1gpu_sr.json")
 
 
 def measured_runs(files, root=os.path.join(ROOT, "bench")):

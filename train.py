@@ -500,8 +500,9 @@ def plan_shape(cfg: TrainConfig, mcfg, world: int) -> plan.Shape:
 
 
 def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
-    """--fit auto: set the levers the command line did not, to the fastest plan predicted to fit this node
-    (plan.py). Every rank computes the same plan: the capacities are the smallest any rank sees."""
+    """--fit auto: set the levers the command line did not, to the plan predicted to fit this node (plan.py);
+    where fp32 state cannot fit, bf16 state with stochastic rounding. Every rank computes the same plan: the
+    capacities are the smallest any rank sees."""
     lv = levers(cfg, mcfg.num_hidden_layers)
     fixed = {}  # what the user said wins
     if given & {"offload", "offload_layers"}:
@@ -520,7 +521,18 @@ def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
     try:
         lv, cost = plan.choose(s, caps[0].item(), caps[1].item(), fixed)
     except plan.NoFit as e:
-        raise SystemExit(f"error: --fit auto: {e}") from None
+        # fp32 state does not fit but bf16 might: bf16 weights and moments with stochastic rounding (optim.py),
+        # unless the command line chose the dtype or the rounding
+        if cfg.param_dtype != "float32" or given & {"param_dtype", "stochastic_rounding"}:
+            raise SystemExit(f"error: --fit auto: {e}") from None
+        s = dataclasses.replace(s, param_bytes=2)
+        try:
+            lv, cost = plan.choose(s, caps[0].item(), caps[1].item(), fixed)
+        except plan.NoFit as e2:
+            raise SystemExit(f"error: --fit auto: {e2}") from None
+        cfg.param_dtype, cfg.stochastic_rounding = "bfloat16", True
+        log("fit: fp32 weights and AdamW states do not fit; bf16 ones with stochastic rounding do "
+            "(--param_dtype bfloat16 --stochastic_rounding true)")
     cfg.offload, cfg.offload_layers = lv.offload_layers > 0, lv.offload_layers
     cfg.keep_attention, cfg.keep_attention_layers = lv.keep_attention_layers > 0, lv.keep_attention_layers
     cfg.tiled_mlp, cfg.mlp_tile = lv.tiled_mlp, lv.mlp_tile

@@ -225,6 +225,25 @@ def test_fit_auto_in_train_py(tmp_path):
     assert p.returncode != 0 and len(lines) == 1 and "no set of levers fits" in lines[0], p.stderr[-2000:]
 
 
+def test_fit_auto_turns_to_stochastic_rounding_where_fp32_state_cannot_fit(tmp_path):
+    """A GPU too small for fp32 weights and AdamW states with any levers, big enough for bf16 ones: --fit auto runs
+    bf16 state with stochastic rounding and says so; with --param_dtype given, it stops with the plan's line."""
+    fp32 = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512)
+    bf16 = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, param_bytes=2, act_bytes=4, loss_chunk=512)
+    least = {s.param_bytes: min(plan.gpu_bytes(s, plan.Levers(off, keep)) for off in range(3) for keep in range(3))
+             for s in (fp32, bf16)}
+    gpu = (least[2] + least[4]) / 2 / plan.GPU_MARGIN / 2**30  # between the two
+    p = run_train(tmp_path, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "bf16 ones with stochastic rounding do" in p.stdout, p.stdout
+    cfg = json.load(open(tmp_path / "run" / "train_config.json"))
+    assert cfg["param_dtype"] == "bfloat16" and cfg["stochastic_rounding"]
+    p = run_train(tmp_path, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100", "--param_dtype", "float32",
+                  "--resume", "none", "--overwrite", "true")
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode != 0 and len(lines) == 1 and "--stochastic_rounding true" in lines[0], p.stderr[-2000:]
+
+
 def test_plan_check_puts_the_prediction_beside_the_run(tmp_path):
     """bench/plan_check.py reads train.py's plan line and metrics: the levers and predictions it records are the
     planner's, the measurements the run's; a second run of the same configuration replaces the first."""

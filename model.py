@@ -1,7 +1,9 @@
-"""Qwen3 (dense) for million-token training, in three parts:
+"""Qwen3 and Qwen3-MoE for million-token training, in three parts:
 
-1. The plain Qwen3: config, RoPE with YaRN, RMSNorm, attention, SwiGLU MLP, the decoder. It reads like
-   transformers' modeling_qwen3.py (same names, same parameter layout) and can be diffed against it.
+1. The plain Qwen3: config, RoPE with YaRN, RMSNorm, attention, SwiGLU MLP, the mixture-of-experts block of
+   Qwen3-MoE, the decoder. It reads like transformers' modeling_qwen3.py and modeling_qwen3_moe.py (same names;
+   the experts' weights stacked [E, ...], the hub's one-Linear-per-expert layout at load and save) and can be
+   diffed against them.
 2. Memory levers: what lets one sequence of a million tokens fit. Custom autograd Functions that keep less
    than autograd would (RMSNorm, RoPE, the tiled MLP), and the recomputed block, whose kept tensors can live
    in pinned host memory (HostOffload). The whole life of a recomputed block is told once, in that section.
@@ -37,13 +39,20 @@ HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transfo
 
 def refuse_unsupported(d: dict):
     """Stop on an HF config this trainer cannot train exactly: ring attention needs full causal attention
-    in every layer of a dense model."""
+    in every layer."""
     where = d.get("_name_or_path", "config.json")
-    if d.get("model_type") != "qwen3":
-        raise ValueError(f"{where}: model_type is {d.get('model_type')!r}; this trainer supports dense Qwen3 "
-                         "('qwen3') only (context parallelism needs full causal attention in every layer).")
-    if d.get("num_experts") or d.get("num_local_experts"):
-        raise ValueError(f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3.")
+    if d.get("model_type") not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"{where}: model_type is {d.get('model_type')!r}; this trainer supports Qwen3 ('qwen3') "
+                         "and Qwen3-MoE ('qwen3_moe') only (context parallelism needs full causal attention in "
+                         "every layer).")
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if d["model_type"] == "qwen3" and experts:
+        raise ValueError(f"{where}: num_experts in a 'qwen3' config, which transformers builds dense; a "
+                         "mixture-of-experts model says model_type 'qwen3_moe'.")
+    if d["model_type"] == "qwen3_moe" and experts is not None and not (
+            0 < d.get("num_experts_per_tok", 8) <= experts and d.get("decoder_sparse_step", 1) >= 1):
+        raise ValueError(f"{where}: a 'qwen3_moe' config needs num_experts >= num_experts_per_tok >= 1 and "
+                         "decoder_sparse_step >= 1 (with no experts, use a dense 'qwen3' config).")
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full causal attention "
                          "in every layer. Use a config with use_sliding_window: false.")
@@ -90,6 +99,15 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     initializer_range: float = 0.02
+    # Qwen3-MoE (model_type "qwen3_moe"); num_experts 0 is a dense Qwen3. Defaults: transformers' Qwen3MoeConfig
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)  # dense layers among the sparse ones
+    output_router_logits: bool = False  # true: the loss adds router_aux_loss_coef x the load-balancing loss
+    router_aux_loss_coef: float = 0.001
     raw: dict = field(default_factory=dict, repr=False)  # the config.json as read, written back on save
 
     @classmethod
@@ -98,13 +116,20 @@ class Qwen3Config:
         refuse_unsupported(d)
         theta, scaling = parse_rope(d)
         heads = d["num_attention_heads"]
+        moe = {}
+        if d["model_type"] == "qwen3_moe":  # transformers saves num_experts as num_local_experts; both are read
+            moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
+                       **{k: d[k] for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                                            "decoder_sparse_step", "output_router_logits", "router_aux_loss_coef")
+                          if d.get(k) is not None},
+                       mlp_only_layers=list(d.get("mlp_only_layers") or []))
         return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                    intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
                    num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
                    head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                    rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
                    max_position_embeddings=d.get("max_position_embeddings", 40960),
-                   initializer_range=d.get("initializer_range", 0.02), raw=dict(d))
+                   initializer_range=d.get("initializer_range", 0.02), **moe, raw=dict(d))
 
     @classmethod
     def from_pretrained(cls, path: str) -> "Qwen3Config":
@@ -127,6 +152,11 @@ class Qwen3Config:
                  max_position_embeddings=4096, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
         d.update(kw)
         return cls.from_dict(d)
+
+    def sparse(self, layer: int) -> bool:
+        """Is this layer a mixture of experts? Exactly as transformers' Qwen3MoeDecoderLayer decides."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def yarn_scaled(self, factor: float, original_max_position_embeddings: int) -> "Qwen3Config":
         """A copy with YaRN at `factor` over `original_max_position_embeddings` positions (given explicitly,
@@ -153,6 +183,13 @@ class Qwen3Config:
             d["rope_parameters"] = {**rope, "rope_theta": self.rope_theta}
         else:
             d["rope_theta"], d["rope_scaling"] = self.rope_theta, (rope if self.rope_scaling else None)
+        if self.num_experts:
+            d.pop("num_local_experts", None)  # one name for it: the hub's
+            d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers), output_router_logits=self.output_router_logits,
+                     router_aux_loss_coef=self.router_aux_loss_coef)
         return d
 
 
@@ -269,6 +306,104 @@ class MLP(nn.Module):
         return _swiglu(x, *ws)
 
 
+# --- Mixture of experts (Qwen3-MoE) ------------------------------------------------------------
+
+def route(x, w_router, top_k: int, norm_topk_prob: bool):
+    """transformers' Qwen3MoeTopKRouter: x [N, H] -> probs [N, E] (the softmax in fp32, float64 for a float64
+    model), weights [N, k] (the top-k probabilities, renormalised to sum 1 when norm_topk_prob, then cast to x's
+    dtype), experts [N, k] int64. torch.topk chooses, so ties go as they go in transformers."""
+    probs = F.linear(x, w_router).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32))
+    top, experts = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    return probs, top.to(x.dtype), experts
+
+
+def experts_loop(x, weights, experts, w_gate, w_up, w_down):
+    """Each expert's tokens gathered, its SwiGLU, the outputs added back weighted, expert after expert (the loop of
+    transformers' Qwen3MoeExperts): x [N, H], weights and experts [N, k], w_gate/w_up [E, I, H], w_down [E, H, I]
+    -> [N, H]. The path on CPU, and the oracle of the grouped GEMM."""
+    out = torch.zeros_like(x)
+    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)  # one backward node, not one per expert
+    for e in range(len(gates)):
+        tok, slot = (experts == e).nonzero(as_tuple=True)                          # [n_e] each
+        if tok.numel():
+            y = _swiglu(x.index_select(0, tok), gates[e], ups[e], downs[e])       # [n_e, H]
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+    return out
+
+
+def experts_grouped(x, weights, experts, w_gate, w_up, w_down):
+    """experts_loop with the (token, slot) pairs sorted by expert once and one grouped GEMM per projection
+    (torch._grouped_mm: bf16 on CUDA; its CPU fallback serves the tests). Plain autograd: the backward reuses
+    the saved order, offsets and gathered rows; the output is put back by a permutation, with no atomic adds."""
+    N, k = experts.shape
+    flat = experts.reshape(-1)                                                   # [N*k]
+    order = flat.argsort(stable=True)                                            # [N*k] pairs grouped by expert
+    counts = torch.zeros(w_gate.shape[0], dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0).to(torch.int32)                                      # [E] each expert's last row + 1
+    xs = x.index_select(0, order // k)                                           # [N*k, H] sorted by expert
+    g = torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=ends)                 # [N*k, I]
+    u = torch._grouped_mm(xs, w_up.transpose(1, 2), offs=ends)
+    ys = torch._grouped_mm(fused(_silu_mul, g)(g, u), w_down.transpose(1, 2), offs=ends)   # [N*k, H]
+    y = ys.index_select(0, order.argsort())                                      # [N*k, H] back in (token, slot) order
+    return (y.view(N, k, -1) * weights[..., None]).sum(1)                        # [N, H]
+
+
+def grouped_gemm_ok(x, w_gate) -> bool:
+    """torch._grouped_mm's CUDA kernel: bf16, rows 16-byte aligned (hidden and moe_intermediate multiples of 8)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0)
+
+
+def moe_rows(x, w_router, w_gate, w_up, w_down, top_k, norm_topk_prob):
+    """The MoE block on rows: x [N, H] -> (y [N, H], counts [E] float64: the top-k choices of each expert,
+    prob_sums [E] fp32 (float64 for float64): the router's probabilities summed over the rows). The last two are
+    what the load-balancing loss needs (Qwen3.router_aux_loss)."""
+    probs, weights, experts = route(x, w_router, top_k, norm_topk_prob)
+    run = experts_grouped if grouped_gemm_ok(x, w_gate) else experts_loop
+    y = run(x, weights, experts, w_gate, w_up, w_down)
+    flat = experts.reshape(-1)
+    counts = torch.zeros(w_router.shape[0], dtype=torch.float64, device=x.device).index_add_(
+        0, flat, torch.ones(flat.shape, dtype=torch.float64, device=x.device))
+    return y, counts, probs.sum(0)
+
+
+class Experts(nn.Module):
+    """num_experts SwiGLU MLPs of moe_intermediate_size, each projection's weights stacked [E, out, in]: one
+    grouped GEMM per projection, and one tensor for FSDP2 to shard. The hub stores one Linear per expert
+    (experts.E.gate_proj.weight): hf_names converts at load and save."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(E, I, H).normal_(0.0, cfg.initializer_range))
+        self.up_proj = nn.Parameter(torch.empty(E, I, H).normal_(0.0, cfg.initializer_range))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I).normal_(0.0, cfg.initializer_range))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's feed-forward block: the router (gate) sends each token to its top-k experts and adds their
+    outputs, weighted by the router's probabilities."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.tile = 0  # rows per tile, as MLP.tile: routed and computed a tile at a time (section 2); 0 = untiled
+
+    def forward(self, x, value_is_read=True):
+        """x [B, T, H] -> (y [B, T, H], counts [E], prob_sums [E]) (moe_rows); value_is_read as for MLP."""
+        rows = x.reshape(-1, x.shape[-1])                                        # [B*T, H]
+        ws = (self.gate.weight, self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
+        if self.tile and rows.shape[0] > self.tile:
+            y, counts, prob_sums = _TiledMoE.apply(rows, self.tile, value_is_read, self.top_k, self.norm_topk_prob, *ws)
+        else:
+            y, counts, prob_sums = moe_rows(rows, *ws, self.top_k, self.norm_topk_prob)
+        return y.view(x.shape), counts, prob_sums
+
+
 class Block(nn.Module):
     def __init__(self, cfg: Qwen3Config, index: int):
         super().__init__()
@@ -276,26 +411,36 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.sparse = cfg.sparse(index)
+        self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
+        self.router_stats = self.sparse and cfg.output_router_logits  # hand the load-balancing loss its sums
         # memory levers (section 2), set by Qwen3.set_levers
         self.recompute = False       # keep only the block's input; recompute the rest in backward
         self.keep_attention = False  # ... and attention's output + lse, so the recompute skips attention
         self.offload = None          # a HostOffload (shared by the blocks) holding what is kept, or None
 
     def body(self, x, cos, sin, attend, mlp_value_is_read=True, doc_lens=None):
+        """x [B, T, H] -> (y [B, T, H],) or, with router_stats, (y, counts [E], prob_sums [E]) (moe_rows): a flat
+        tuple of tensors, so that the recomputed block can return it as its outputs."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, doc_lens)
-        return h + self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
+        if not self.sparse:
+            return (h + self.mlp(self.post_attention_layernorm(h), mlp_value_is_read),)
+        y, counts, prob_sums = self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
+        return (h + y, counts, prob_sums) if self.router_stats else (h + y,)
 
     def forward(self, x, cos, sin, attn_fn, doc_lens=None):
+        """-> body's tuple."""
         if self.recompute and torch.is_grad_enabled():
             return _RecomputedBlock.apply(x, cos, sin, self, attn_fn, doc_lens)
         return self.body(x, cos, sin, attn_fn, doc_lens=doc_lens)
 
 
 class Qwen3(nn.Module):
-    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention):
+    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention, cp_sum=None):
+        """cp_sum(t): sums a tensor in place over the ranks that hold parts of the same sequences (train.py: an
+        all_reduce over the context-parallel group); None on one device. Only the load-balancing loss uses it."""
         super().__init__()
-        self.cfg, self.attn_fn = cfg, attn_fn
+        self.cfg, self.attn_fn, self.cp_sum = cfg, attn_fn, cp_sum
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -309,7 +454,8 @@ class Qwen3(nn.Module):
         (loss_sum fp32, n_valid) instead, computed here so that FSDP2 gathers the head weight once per step.
         doc_lens: the window's documents (their lengths in order over the whole window, the same in every row;
         under context parallelism the global window, not this rank's shard): attention stays inside each. Then
-        position_ids [B, T] must be given, each document's counting from 0 (zigzag-sharded like the tokens)."""
+        position_ids [B, T] must be given, each document's counting from 0 (zigzag-sharded like the tokens).
+        A MoE with output_router_logits adds its load-balancing loss to loss_sum (router_aux_loss)."""
         B, T = input_ids.shape
         if doc_lens is not None and position_ids is None:
             raise ValueError("doc_lens needs position_ids: the positions inside each document, from 0")
@@ -318,13 +464,45 @@ class Qwen3(nn.Module):
         dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # [B, T, D] fp32
         x = self.embed_tokens(input_ids)                                                  # [B, T, H]
+        counts, prob_sums = [], []  # per sparse layer, with output_router_logits: [E] each (moe_rows)
         for block in self.layers:
-            x = block(x, cos, sin, self.attn_fn, doc_lens)
+            x, *stats = block(x, cos, sin, self.attn_fn, doc_lens)
+            if stats:
+                counts.append(stats[0])
+                prob_sums.append(stats[1])
         h = self.norm(x)
         if labels is None:
             return h
         with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
-            return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
+            out = chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
+        if prob_sums:
+            aux = self.router_aux_loss(torch.stack(counts).sum(0), torch.stack(prob_sums).sum(0), len(prob_sums),
+                                       B * T, out.n_valid)
+            out = dataclasses.replace(out, loss_sum=out.loss_sum + aux.to(out.loss_sum.dtype))
+        return out
+
+    def router_aux_loss(self, counts, prob_sums, layers: int, rows: int, n_valid):
+        """router_aux_loss_coef x transformers' load_balancing_loss_func x the trained tokens, this rank's share:
+        the loss is a sum that train.py divides by the trained-token count, and then this term adds exactly
+        coef * aux to the mean, as transformers' outputs.loss has it.
+
+        counts [E] (float64) and prob_sums [E] are summed over this rank's rows and the `layers` sparse layers.
+        transformers' aux over all layers' rows (R of them, every token, trained or not) is
+        E * sum_e (C_e / R) * (P_e / R), for the top-k counts C and probability sums P. The counts carry no
+        gradient, so once C, R and the trained tokens are summed over the context-parallel group (cp_sum: one
+        all-reduce of E + 2 numbers), each rank's E * sum_e C_e * P_e(this rank) / R^2 is an exact share of the
+        sequence's aux, in value and in gradient: cp 2 or 4 gives what one process gives, up to rounding.
+        Under data parallelism (or --grad_accum) each sequence has its own aux, weighted by its trained tokens.
+        Two differences from transformers, both rounding only: the counts come from the routing's top-k of fp32
+        probabilities (transformers takes top-k again of a softmax in the model's dtype, bf16 in training), and
+        P sums fp32 probabilities."""
+        E = self.cfg.num_experts
+        totals = torch.cat([counts, counts.new_tensor([rows]), n_valid.reshape(1).to(counts.dtype)])  # [E + 2]
+        if self.cp_sum is not None:
+            self.cp_sum(totals)
+        C, R, n = totals[:E], totals[E] * layers, totals[E + 1]
+        share = ((E * C / R**2).to(prob_sums.dtype) * prob_sums).sum()
+        return self.cfg.router_aux_loss_coef * n.to(share.dtype) * share
 
     def logits(self, input_ids, position_ids=None, doc_lens=None):
         """Full logits [B, T, V], for tests and short evaluation only."""
@@ -393,9 +571,10 @@ class Qwen3(nn.Module):
 #     doc_lens to each of these calls (the block keeps it for its backward).
 #   - MLP: the recomputed output's value is never read (only its gradient graph is), so the tiled MLP skips
 #     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
-# Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are
-# not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as reentrant checkpointing
-# does), and FSDP2's post-backward hook reduce-scatters them.
+# Then autograd runs the rebuilt graph backward from the block's output gradient (and, for a MoE block under the
+# load-balancing loss, from the gradient of its router's probability sums, a second output of the block). The
+# block's parameters are not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as
+# reentrant checkpointing does), and FSDP2's post-backward hook reduce-scatters them.
 
 
 class _KeptAttention:
@@ -439,7 +618,9 @@ class _RecomputedBlock(torch.autograd.Function):
         ctx.block, ctx.attn_fn, ctx.doc_lens = block, attn_fn, doc_lens
         attend = _KeptAttention(attn_fn) if block.keep_attention and hasattr(attn_fn, "fwd") else attn_fn
         with torch.no_grad():
-            y = block.body(x, cos, sin, attend, doc_lens=doc_lens)
+            y, *stats = block.body(x, cos, sin, attend, doc_lens=doc_lens)
+        if stats:  # the router's counts are integers (no gradient); its probability sums carry one
+            ctx.mark_non_differentiable(stats[0])
         kept = {"x": x}
         if isinstance(attend, _KeptAttention):
             kept.update(out=attend.out, lse=attend.lse)
@@ -449,10 +630,10 @@ class _RecomputedBlock(torch.autograd.Function):
                 block.offload.save((block.index, name), t)
             kept = {}
         ctx.save_for_backward(cos, sin, *kept.values())
-        return y
+        return y, *stats
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *dstats):
         block = ctx.block
         cos, sin, *kept = ctx.saved_tensors
         if block.offload is not None:
@@ -463,8 +644,9 @@ class _RecomputedBlock(torch.autograd.Function):
             attend = functools.partial(_replay_attention, out=kept["out"], lse=kept["lse"], attn_fn=ctx.attn_fn)
         with torch.enable_grad():
             x = kept["x"].detach().requires_grad_()
-            y = block.body(x, cos, sin, attend, mlp_value_is_read=False, doc_lens=ctx.doc_lens)
-            torch.autograd.backward(y, dy)
+            y, *stats = block.body(x, cos, sin, attend, mlp_value_is_read=False, doc_lens=ctx.doc_lens)
+            # with router stats, the load-balancing loss's gradient enters through the probability sums
+            torch.autograd.backward([y, *stats[1:]], [dy, *dstats[1:]])
         return x.grad, None, None, None, None, None
 
 
@@ -651,12 +833,65 @@ class _TiledMLP(torch.autograd.Function):
         return dx.view(x.shape), None, None, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype)
 
 
+class _TiledMoE(torch.autograd.Function):
+    """The MoE block over tiles of rows, as _TiledMLP: each tile routed and computed on its own, forward and
+    backward, so that the tokens' routed copies [t*k, H] and the experts' [t*k, moe_intermediate] tensors exist one
+    tile at a time (whole, at 131,072 tokens a rank, top-8 of Qwen3-30B-A3B: 1.5 GiB for each [N*k, 768] and 4 GiB
+    for each [N*k, 2048] in bf16). The backward recomputes each tile under autograd (the same rows route the same
+    way) and sums the tiles' weight gradients in fp32 buffers, rounded to the weights' dtype once at the end (each
+    tile's own comes out of autograd in that dtype): 3 x E x I x H x 4 bytes while a block runs backward (2.3 GiB
+    for Qwen3-30B-A3B)."""
+
+    @staticmethod
+    def forward(ctx, x, tile, value_is_read, top_k, norm_topk_prob, *ws):
+        # x [N, H]; ws: router [E, H], gate and up [E, I, H], down [E, H, I]
+        ctx.tile, ctx.routing = tile, (top_k, norm_topk_prob)
+        ctx.save_for_backward(x, *ws)
+        counts = torch.zeros(ws[0].shape[0], dtype=torch.float64, device=x.device)                     # [E]
+        prob_sums = torch.zeros(ws[0].shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        ctx.mark_non_differentiable(counts)
+        if not value_is_read:  # a recomputed block's backward: only the graph is used (as in _TiledMLP)
+            return x.new_empty(x.shape), counts, prob_sums
+        y = torch.empty_like(x)
+        for xt, yt in zip(x.split(tile), y.split(tile)):
+            out, c, p = moe_rows(xt, *ws, top_k, norm_topk_prob)
+            yt.copy_(out)
+            counts += c
+            prob_sums += p
+        return y, counts, prob_sums
+
+    @staticmethod
+    def backward(ctx, dy, _, dprob_sums):
+        x, *ws = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in ws]
+        for xt, dyt, dxt in zip(x.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
+            with torch.enable_grad():
+                leaves = [xt.detach().requires_grad_(), *(w.detach().requires_grad_() for w in ws)]
+                yt, _, pt = moe_rows(*leaves, *ctx.routing)
+                grads = torch.autograd.grad([yt, pt], leaves, [dyt, dprob_sums], materialize_grads=True)
+            dxt.copy_(grads[0])
+            for a, g in zip(acc, grads[1:]):
+                a += g
+        return dx, None, None, None, None, *(a.to(w.dtype) for a, w in zip(acc, ws))
+
+
 # =============================================================================================
 # 3. HF I/O
 # =============================================================================================
 
 def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
+
+
+def hf_names(name: str, num_experts: int) -> list[str]:
+    """Our parameter name -> its tensors' names in an HF checkpoint: one, or for stacked expert weights
+    (layers.N.mlp.experts.gate_proj [E, I, H]) the hub's one per expert (model.layers.N.mlp.experts.E.gate_proj
+    .weight), the layout every transformers version loads (5.x fuses them on load, and splits them on save)."""
+    module, _, weight = name.rpartition(".")
+    if module.endswith(".mlp.experts"):
+        return [f"model.{module}.{e}.{weight}.weight" for e in range(num_experts)]
+    return [hf_name(name)]
 
 
 def local_folder(path_or_hub_id: str) -> str:
@@ -677,8 +912,9 @@ def local_folder(path_or_hub_id: str) -> str:
                               "folder instead.") from e
 
 
-def load_hf_state_dict(path: str, names: list[str], dtype) -> dict | None:
-    """Our parameter names -> tensors from (possibly sharded) safetensors; None when the folder has none."""
+def load_hf_state_dict(path: str, names: list[str], dtype, num_experts: int = 0) -> dict | None:
+    """Our parameter names -> tensors from (possibly sharded) safetensors, the experts' stacked; None when the
+    folder has none."""
     from safetensors import safe_open
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -692,14 +928,16 @@ def load_hf_state_dict(path: str, names: list[str], dtype) -> dict | None:
         with safe_open(os.path.join(path, f), framework="pt") as st:
             for k in st.keys():
                 tensors[k] = st.get_tensor(k)
-    want = {n: hf_name(n) for n in names}
-    missing = sorted(h for h in want.values() if h not in tensors)
+    want = {n: hf_names(n, num_experts) for n in names}
+    missing = sorted(h for hs in want.values() for h in hs if h not in tensors)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    extra = sorted(set(tensors) - set(want.values()) - {"lm_head.weight"})  # tied models may still carry a head
-    if extra:
+    extra = sorted(set(tensors) - {h for hs in want.values() for h in hs} - {"lm_head.weight"})  # tied models may
+    if extra:                                                                                 # still carry a head
         raise ValueError(f"{path}: checkpoint has weights this Qwen3 does not, e.g. {extra[:3]}")
-    return {n: tensors[h].to(dtype) for n, h in want.items()}
+    # each tensor read is dropped once used: the stacked experts do not hold a second copy of the checkpoint
+    return {n: (torch.stack([tensors.pop(h) for h in hs]) if len(hs) > 1 else tensors.pop(hs[0])).to(dtype)
+            for n, hs in want.items()}
 
 
 def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str], dtype, seed: int,
@@ -707,7 +945,7 @@ def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str
     """The full state dict {name: tensor in dtype}: read from path's *.safetensors (on the CPU), or drawn on
     `device` by init_weights from `seed` where there are none (path None, or a folder with only a config.json,
     with a warning). The draw is the same for any world size: runs at different cp agree on it."""
-    sd = load_hf_state_dict(path, names, dtype) if path else None
+    sd = load_hf_state_dict(path, names, dtype, mcfg.num_experts) if path else None
     if sd is not None:
         return sd
     if path:
@@ -719,10 +957,15 @@ def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str
 
 
 def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):
-    """config.json + safetensors shards (+ index when sharded) that transformers loads as Qwen3ForCausalLM."""
+    """config.json + safetensors shards (+ index when sharded) that transformers loads as Qwen3ForCausalLM (or
+    Qwen3MoeForCausalLM, the experts one tensor each, as on the hub)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {hf_name(n): t.detach().contiguous().cpu() for n, t in state_dict.items()}
+    tensors = {}
+    for n, t in state_dict.items():
+        t, hs = t.detach().cpu(), hf_names(n, cfg.num_experts)
+        # an expert's slice is cloned: safetensors refuses tensors that share memory
+        tensors.update({hs[0]: t.contiguous()} if len(hs) == 1 else {h: t[e].clone() for e, h in enumerate(hs)})
     shards, size = [{}], 0
     for k, t in tensors.items():
         nbytes = t.numel() * t.element_size()

@@ -18,6 +18,10 @@ Levers per block: the first `offload_layers` blocks keep their tensors in pinned
 
 The FLOPs of a step are written here once: train.py's MFU counts useful_flops, the cost model the same pieces
 with the work the GPU really does (see useful_flops).
+
+Qwen3-MoE: memory counts every expert (stored, sharded, given AdamW states); FLOPs count the router and the top_k
+experts a token goes to. Every constant was fitted to dense runs: for a MoE the prediction assumes the grouped
+GEMMs run at the dense GEMM rate and the routing costs nothing beyond the per-token term, neither measured yet.
 """
 import argparse
 import os
@@ -66,31 +70,59 @@ class Shape:
     act_bytes: int = 2       # compute dtype (bf16)
     loss_chunk: int = 2048
     attn_backend: str = "cudnn"  # a key of FITTED.attn_tflops ("flash", never measured, is timed as cudnn)
+    # Qwen3-MoE: `sparse_layers` of the layers have `experts` SwiGLU experts of width `moe_intermediate` and a
+    # router, each token going to `top_k` of them; the other layers have the dense MLP. All 0 for a dense Qwen3.
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    sparse_layers: int = 0
 
     @classmethod
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
            loss_chunk=2048, attn_backend="cudnn"):
+        sparse = sum(mcfg.sparse(i) for i in range(mcfg.num_hidden_layers))
+        moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse) if sparse else (0,) * 4
         return cls(mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                    mcfg.num_key_value_heads, mcfg.head_dim, mcfg.vocab_size, mcfg.tie_word_embeddings, seq_len, cp,
                    world, ranks_per_node, param_bytes, act_bytes, loss_chunk,
-                   attn_backend if attn_backend in FITTED.attn_tflops else "cudnn")
+                   attn_backend if attn_backend in FITTED.attn_tflops else "cudnn", *moe)
 
     @property
     def tokens(self):  # per rank
         return self.seq_len // self.cp
 
     @property
-    def block_matmul_params(self):  # the projections and the MLP
+    def attention_matmul_params(self):  # a block's q, k, v and o projections
         h, qd, kvd = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * qd * 2 + h * kvd * 2 + 3 * h * self.intermediate
+        return h * qd * 2 + h * kvd * 2
 
     @property
-    def block_params(self):  # + the two RMSNorms and the QK-norms
-        return self.block_matmul_params + 2 * self.hidden + 2 * self.head_dim
+    def moe_params(self):  # a sparse block's experts and router: what is stored
+        return self.experts * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts
 
     @property
-    def params(self):
-        return self.layers * self.block_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+    def moe_active_params(self):  # ... and what multiplies each token: top_k experts and the router
+        return self.top_k * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts
+
+    @property
+    def blocks_matmul_params(self):  # every block's projections and MLP a token meets (in MoE: its top_k experts)
+        dense = self.layers - self.sparse_layers
+        return (self.layers * self.attention_matmul_params + dense * 3 * self.hidden * self.intermediate
+                + self.sparse_layers * self.moe_active_params)
+
+    def _params(self, moe):
+        dense = self.layers - self.sparse_layers
+        norms = 2 * self.hidden + 2 * self.head_dim  # the two RMSNorms and the QK-norms
+        return (self.layers * (self.attention_matmul_params + norms) + dense * 3 * self.hidden * self.intermediate
+                + self.sparse_layers * moe + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden)
+
+    @property
+    def params(self):  # stored (and sharded, and given AdamW states): every expert
+        return self._params(self.moe_params)
+
+    @property
+    def active_params(self):  # those one token uses: top_k experts per sparse layer
+        return self._params(self.moe_active_params)
 
 
 @dataclass(frozen=True)
@@ -111,9 +143,9 @@ class Cost:
 # --- FLOPs -----------------------------------------------------------------------------------------
 
 def matmul_params(s: Shape) -> int:
-    """Parameters that multiply every token: the blocks' projections and MLPs, and the head (embedding lookups
-    and norms are not matmuls)."""
-    return s.layers * s.block_matmul_params + s.hidden * s.vocab
+    """Parameters that multiply every token: the blocks' projections and MLPs (in a MoE block the router and the
+    token's top_k experts, not the others), and the head (embedding lookups and norms are not matmuls)."""
+    return s.blocks_matmul_params + s.hidden * s.vocab
 
 
 def attention_fwd_flops(s: Shape) -> int:
@@ -143,7 +175,7 @@ def attention_flops(s: Shape, lv: Levers) -> float:
 def gemm_flops(s: Shape) -> float:
     """GEMM FLOPs one rank runs in a step: the blocks' forward, backward (2x) and the recompute's forward; the
     head's forward and backward, never recomputed (the loss runs it once)."""
-    return 2 * s.tokens * (4 * s.layers * s.block_matmul_params + 3 * s.hidden * s.vocab)
+    return 2 * s.tokens * (4 * s.blocks_matmul_params + 3 * s.hidden * s.vocab)
 
 
 # --- memory and time -------------------------------------------------------------------------------
@@ -177,9 +209,15 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
         work += k.ring_bytes_per_token_qdim * s.heads * s.head_dim * s.tokens
     on_gpu = (s.layers - lv.offload_layers) * x + max(lv.keep_attention_layers - lv.offload_layers, 0) * attn
     mlp = 0
-    if not lv.tiled_mlp and s.tokens > lv.mlp_tile:  # the four [T, intermediate] tensors whole, not a tile's
-        mlp = 4 * (s.tokens - lv.mlp_tile) * s.intermediate * s.act_bytes
-    return state + max(grads, on_gpu) + loss + work + mlp
+    if not lv.tiled_mlp and s.tokens > lv.mlp_tile:  # the four [T, intermediate] tensors whole, not a tile's; for
+        # a MoE block the same four [T*top_k, moe_intermediate] and the routed rows and outputs [T*top_k, hidden]
+        width = max(4 * s.intermediate if s.layers > s.sparse_layers else 0,
+                    s.top_k * (4 * s.moe_intermediate + 2 * s.hidden))
+        mlp = (s.tokens - lv.mlp_tile) * width * s.act_bytes
+    # a MoE block's backward holds its experts' gradients in fp32 and a tile's in act_bytes (_TiledMoE): never
+    # measured, added here as they are (1 block's worth; a dense MLP's smaller ones sit inside the fitted `work`)
+    moe = (4 + s.act_bytes) * s.moe_params if s.sparse_layers else 0
+    return state + max(grads, on_gpu) + loss + work + mlp + moe
 
 
 def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:

@@ -439,7 +439,10 @@ def setup(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Setup:
     attn = parallel.RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
     model, mcfg, path, shapes = build_model(cfg, given, mesh, attn, device, log)
     n_params = sum(math.prod(s) for s in shapes.values())
-    log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {human_count(n_params)} parameters, "
+    moe = (f" ({human_count(plan.Shape.of(mcfg, 1, 1, 1, 1).active_params)} active: top-{mcfg.num_experts_per_tok} "
+           f"of {mcfg.num_experts} experts" + (", load-balancing loss" if mcfg.output_router_logits else "") + ")"
+           if mcfg.num_experts else "")
+    log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {human_count(n_params)} parameters{moe}, "
         f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}"
         + (f" ({parallel.fa4_unavailable()})" if cfg.attn_backend == "auto" and attn.backend == "cudnn" else ""))
     return Setup(mesh, model, mcfg, path, shapes, device)
@@ -463,8 +466,10 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
         mcfg = mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
     plan_levers(cfg, mcfg, mesh.size(), given, device, log)
     pdtype = getattr(torch, cfg.param_dtype)
+    # the load-balancing loss of a MoE sums the router's counts over the ranks of a sequence (Qwen3.router_aux_loss)
+    cp_group = mesh.get_group("cp")
     with torch.device("meta"):
-        model = Qwen3(mcfg, attn_fn).to(pdtype)
+        model = Qwen3(mcfg, attn_fn, cp_sum=lambda t: dist.all_reduce(t, group=cp_group)).to(pdtype)
     shapes = {n: list(t.shape) for n, t in model.state_dict().items()}  # before sharding (then it is collective)
     lv = levers(cfg, mcfg.num_hidden_layers)
     model.set_levers(recompute=cfg.recompute, offload=lv.offload_layers > 0, offload_layers=lv.offload_layers,

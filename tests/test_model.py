@@ -395,7 +395,7 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(model_type="qwen3_moe"), "model_type"),
+    (dict(model_type="qwen2_moe"), "model_type"),
     (dict(use_sliding_window=True, sliding_window=4096), "sliding"),
     (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(num_experts=8), "mixture-of-experts"),

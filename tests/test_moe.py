@@ -1,0 +1,436 @@
+"""Qwen3-MoE (model.py's SparseMoE) against transformers' Qwen3MoeForCausalLM on the same weights: logits, loss
+(with the load-balancing loss too) and every parameter's gradient; the router against transformers' router,
+ties included; HF checkpoints both ways; the memory levers on and off; the ring at cp 2 and 4 under gloo; the
+grouped GEMM against the expert loop (torch's CPU fallback here; the CUDA kernel in the test marked gpu);
+train.py end to end on a MoE config.json. CPU, about a minute:
+
+    python -m pytest tests/test_moe.py -q
+"""
+import functools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers  # a test dependency: the independent reference for the model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+import model as M
+from model import Qwen3, Qwen3Config
+from parallel import RingAttention, zigzag_shard
+from test_fa4 import rel
+from test_ring import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def moe_cfg(**kw):
+    """3 layers, the middle one dense (mlp_only_layers); 5 heads over 1 KV head; vocab 97."""
+    d = dict(model_type="qwen3_moe", vocab_size=97, hidden_size=40, intermediate_size=72, moe_intermediate_size=24,
+             num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1, head_dim=8, rope_theta=10000.0,
+             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    d.update(kw)
+    return Qwen3Config.tiny(**d)
+
+
+def random_moe(cfg, dtype=torch.float32, seed=0):
+    """Weights from init_weights, norms away from 1, and the routers 10x larger: router logits of order 1, so
+    that the top-k choice is far from a tie that rounding (ours vs transformers', or a ring's) could flip."""
+    torch.manual_seed(seed)
+    m = Qwen3(cfg).to(dtype)
+    m.init_weights()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            if n.endswith("mlp.gate.weight"):
+                p.mul_(10)
+    return m
+
+
+def shifted(ids):
+    """Our labels: the next token, -100 at the end (transformers shifts its labels inside the loss)."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+
+
+def hf_grad(hf, name, cfg):
+    """The gradient transformers holds for our parameter `name` (5.x fuses each layer's experts' gate and up
+    projections into gate_up_proj [E, 2I, H], gate first)."""
+    params = dict(hf.named_parameters())
+    module, _, weight = name.rpartition(".")
+    if not module.endswith("mlp.experts"):
+        return params[M.hf_name(name)].grad
+    if weight == "down_proj":
+        return params[f"model.{module}.down_proj"].grad
+    both = params[f"model.{module}.gate_up_proj"].grad
+    return both[:, :cfg.moe_intermediate_size] if weight == "gate_proj" else both[:, cfg.moe_intermediate_size:]
+
+
+def ours_and_transformers(m, ids, folder):
+    """(our loss / trained tokens, logits, grads of that) and transformers' (outputs.loss, logits, grads under our
+    names, outputs.aux_loss), both in float32 on m's weights."""
+    m.save_pretrained(str(folder))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    out = hf(ids, labels=ids)
+    out.loss.backward()
+    ref = (out.loss.detach(), out.logits.detach(), {n: hf_grad(hf, n, m.cfg) for n, _ in m.named_parameters()},
+           out.aux_loss)
+    m.zero_grad(set_to_none=True)
+    s, n = m(ids, labels=shifted(ids), loss_chunk=9)
+    (s / n).backward()
+    with torch.no_grad():
+        logits = m.logits(ids)
+    return ((s / n).detach(), logits, {n: p.grad.clone() for n, p in m.named_parameters()}), ref
+
+
+# --- against transformers ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("experts,k", [(4, 2), (5, 3)])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("aux", [False, True], ids=["plain", "aux"])
+def test_matches_transformers(tmp_path, experts, k, norm_topk_prob, aux):
+    """Logits, loss and every gradient against Qwen3MoeForCausalLM in float32; with output_router_logits, the
+    loss is transformers' outputs.loss = NLL + coef * aux (coef 0.1 here, so that aux moves the loss by ~5%)."""
+    cfg = moe_cfg(num_experts=experts, num_experts_per_tok=k, norm_topk_prob=norm_topk_prob,
+                  output_router_logits=aux, router_aux_loss_coef=0.1)
+    m = random_moe(cfg)
+    ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+    (loss, logits, grads), (ref_loss, ref_logits, ref_grads, ref_aux) = ours_and_transformers(m, ids, tmp_path)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for n, g in ref_grads.items():  # the float32 floor: ~1e-7 measured
+        assert rel(grads[n], g) < 1e-5, (n, rel(grads[n], g))
+    if aux:  # the aux term is really there: our loss without it is transformers' loss less coef * aux
+        assert ref_aux.item() > 1.0  # top-k of E: aux >= 1 (0 would mean it is not computed)
+        for b in m.layers:
+            b.router_stats = False
+        s, n = m(ids, labels=shifted(ids))
+        torch.testing.assert_close((s / n).detach(), ref_loss - 0.1 * ref_aux.detach(), rtol=1e-6, atol=0)
+
+
+def test_router_matches_transformers_ties_included():
+    """route() against Qwen3MoeTopKRouter: the same experts, weights and dtype, where two experts' router rows
+    are equal (an exact tie) and where a row of probabilities is uniform."""
+    cfg = moe_cfg(num_experts=6, num_experts_per_tok=3)
+    hf_cfg = transformers.Qwen3MoeConfig(**cfg.to_dict())
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 40, generator=gen)
+    w[4] = w[1]  # experts 1 and 4 always tie
+    x = torch.randn(31, 40, generator=gen)
+    x[5] = 0  # every probability 1/6
+    for norm in (True, False):
+        hf_cfg.norm_topk_prob = norm
+        router = Qwen3MoeTopKRouter(hf_cfg)
+        with torch.no_grad():
+            router.weight.copy_(w)
+        _, ref_weights, ref_experts = router(x)
+        probs, weights, experts = M.route(x, w, 3, norm)
+        assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
+        assert ((experts == 1) | (experts == 4)).sum() > 0
+
+
+@pytest.mark.parametrize("step,only", [(1, []), (1, [0, 3]), (2, []), (3, [2]), (1, [0, 1, 2, 3, 4])])
+def test_sparse_layers_as_transformers_decides(step, only):
+    cfg = moe_cfg(num_hidden_layers=5, decoder_sparse_step=step, mlp_only_layers=only)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.to_dict()))
+    ours = Qwen3(cfg)
+    want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
+    assert [b.sparse for b in ours.layers] == want == [cfg.sparse(i) for i in range(5)]
+    assert [isinstance(b.mlp, M.SparseMoE) for b in ours.layers] == want
+
+
+def test_config_round_trips_through_transformers(tmp_path):
+    """Our config.json is transformers' Qwen3MoeConfig, and one transformers wrote (num_experts saved as
+    num_local_experts) reads back as ours; the MoE fields survive both ways."""
+    cfg = moe_cfg(num_experts=5, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2,
+                  mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.02)
+    fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers", "output_router_logits", "router_aux_loss_coef")
+    d = cfg.to_dict()
+    assert d["model_type"] == "qwen3_moe" and d["architectures"] == ["Qwen3MoeForCausalLM"]
+    hf_cfg = transformers.Qwen3MoeConfig(**d)
+    hf_cfg.save_pretrained(str(tmp_path))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "num_local_experts" in saved  # transformers' own spelling: read as num_experts
+    again = Qwen3Config.from_pretrained(str(tmp_path))
+    for f in fields:
+        assert getattr(again, f) == getattr(cfg, f) == getattr(hf_cfg, f), f
+    assert "num_local_experts" not in again.to_dict() and again.to_dict()["num_experts"] == 5
+    dense = Qwen3Config.tiny()
+    assert dense.num_experts == 0 and dense.to_dict()["model_type"] == "qwen3" and "num_experts" not in dense.to_dict()
+    with pytest.raises(ValueError, match="num_experts >= num_experts_per_tok"):
+        moe_cfg(num_experts=2, num_experts_per_tok=3)
+
+
+def test_init_weights_draws_the_new_parameters():
+    m = Qwen3(moe_cfg(num_experts=16, moe_intermediate_size=48))
+    m.init_weights(torch.Generator().manual_seed(0))
+    for n, p in m.named_parameters():
+        if "mlp.gate." in n or "mlp.experts." in n:
+            assert p.std().item() == pytest.approx(0.02, rel=0.1), n
+
+
+# --- HF checkpoints --------------------------------------------------------------------------------
+
+def test_transformers_checkpoint_loads_in_ours(tmp_path):
+    """A checkpoint transformers saved (its hub layout: one tensor per expert), read by Qwen3.from_pretrained:
+    the same logits; saved again by us, the same tensors under the same names, bit for bit."""
+    cfg = moe_cfg(num_experts=5, num_experts_per_tok=2, norm_topk_prob=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.to_dict()))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    m = Qwen3.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    ids = torch.randint(0, 97, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(m.logits(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+    m.save_pretrained(str(tmp_path / "ours"), max_shard_bytes=30_000)  # sharded: the index names every expert
+    from safetensors.torch import load_file
+    def tensors(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    theirs, ours = tensors(tmp_path / "hf"), tensors(tmp_path / "ours")
+    assert theirs.keys() == ours.keys() and "model.layers.2.mlp.experts.4.down_proj.weight" in ours
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(ours)
+
+
+def test_our_checkpoint_loads_in_transformers(tmp_path):
+    """Ours saved (bf16) -> transformers.AutoModelForCausalLM: Qwen3MoeForCausalLM with our logits; and back into
+    ours, bit for bit."""
+    m = random_moe(moe_cfg(norm_topk_prob=False), dtype=torch.bfloat16)
+    m.save_pretrained(str(tmp_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    m32 = Qwen3.from_pretrained(str(tmp_path), dtype=torch.float32)
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(m32.logits(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+    back = Qwen3.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    for k, v in m.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+# --- the levers ------------------------------------------------------------------------------------
+
+def loss_and_grads(m, ids, labels):
+    m.zero_grad(set_to_none=True)
+    s, _ = m(ids, labels=labels, loss_chunk=16)
+    s.backward()
+    return s.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("levers", [dict(recompute=True), dict(offload=True), dict(recompute=False, mlp_tile=7),
+                                    dict(recompute=True, offload=True, mlp_tile=5),
+                                    dict(recompute=True, keep_attention=True),
+                                    dict(offload=True, keep_attention=True, mlp_tile=6)])
+def test_levers_keep_loss_and_gradients(levers, group_of_one):
+    """float64, with the load-balancing loss on (its gradient crosses the recomputed block and the tiles as a
+    second output): each lever changes no loss and no gradient beyond rounding."""
+    m = random_moe(moe_cfg(num_experts=5, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
+                   dtype=torch.float64)
+    m.attn_fn = RingAttention(group_of_one)  # fwd/bwd halves: keep_attention really skips the recompute
+    ids, labels = torch.randint(0, 97, (2, 33)), torch.randint(0, 97, (2, 33))
+    ref_loss, ref_grads = loss_and_grads(m.set_levers(recompute=False), ids, labels)
+    loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+    assert all(b.mlp.tile == levers.get("mlp_tile", 0) for b in m.layers)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op makes (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out
+
+
+def test_tiled_moe_makes_no_tensor_of_the_whole_sequence():
+    """Cost, not only values: untiled, an expert's activations are [rows it got, I] (~N*k/E rows); tiled, no
+    tensor is larger than the block's own input [N, H] (its output, its input's gradient)."""
+    N, H, I = 4000, 16, 64
+    block = M.SparseMoE(moe_cfg(hidden_size=H, moe_intermediate_size=I))  # top-2 of 4 experts
+    x = torch.randn(1, N, H, requires_grad=True)
+
+    def largest(tile):
+        block.tile = tile
+        with LargestTensor() as seen:
+            y, _, prob_sums = block(x)
+            (y.sum() + prob_sums.sum()).backward()
+        return seen.numel
+    assert largest(0) >= 0.8 * N * 2 // 4 * I and largest(100) == N * H, (largest(0), largest(100))
+
+
+# --- the ring: cp 2 and 4 under gloo -----------------------------------------------------------------
+
+def cp_model():
+    return random_moe(moe_cfg(num_experts=5, num_experts_per_tok=2, output_router_logits=True,
+                              router_aux_loss_coef=0.1), dtype=torch.float64)
+
+
+def cp_inputs():
+    """One 40-token sequence (cp 4: chunks of 5), some labels ignored: the aux counts every token, the loss not."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (1, 40), generator=gen)
+    labels = shifted(ids)
+    labels[0, 7:12] = -100
+    return ids, torch.arange(40)[None], labels
+
+
+def _rank_main(rank, world, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        m = cp_model().set_levers(recompute=True, keep_attention=True, mlp_tile=3)
+        m.attn_fn = RingAttention(dist.group.WORLD)
+        m.cp_sum = functools.partial(dist.all_reduce, group=dist.group.WORLD)
+        ids, pos, labels = (zigzag_shard(x, 1, rank, world) for x in cp_inputs())
+        s, n = m(ids, pos, labels, loss_chunk=4)
+        s.backward()
+        torch.save((s.detach(), {k: p.grad for k, p in m.named_parameters()}), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_gives_one_process_losses_and_gradients(world, tmp_path):
+    """The loss sums and gradients of cp 2 and 4 (ring attention, recompute with kept attention, tiled MoE, the
+    router counts all-reduced) summed over the ranks equal one process's, load-balancing loss included."""
+    ranks = run_ranks(world, tmp_path, main=_rank_main)
+    m = cp_model()
+    ids, pos, labels = cp_inputs()
+    ref, grads = loss_and_grads(m, ids, labels)
+    torch.testing.assert_close(sum(r[0] for r in ranks), ref, rtol=1e-6, atol=0)  # loss sums are fp32
+    for n, g in grads.items():
+        assert rel(sum(r[1][n] for r in ranks), g) < 1e-6, n
+    for b in m.layers:  # the aux term is large enough that a rank's share formed without the all-reduce shows
+        b.router_stats = False
+    plain, _ = loss_and_grads(m, ids, labels)
+    assert (ref - plain).item() > 1e-2
+
+
+# --- the grouped GEMM ----------------------------------------------------------------------------
+
+def expert_inputs(N, H, I, E, k, dtype, device, empty=3, seed=0):
+    """Rows, a routing in which expert `empty` gets no token, and expert weights (std 1/sqrt(fan-in))."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(N, H, generator=gen, device=device, dtype=torch.float64)
+    logits = torch.randn(N, E, generator=gen, device=device, dtype=torch.float64)
+    logits[:, empty] = float("-inf")
+    weights, experts = logits.softmax(-1).topk(k, -1)
+    ws = [torch.randn(E, I, H, generator=gen, device=device, dtype=torch.float64) / H ** 0.5,
+          torch.randn(E, I, H, generator=gen, device=device, dtype=torch.float64) / H ** 0.5,
+          torch.randn(E, H, I, generator=gen, device=device, dtype=torch.float64) / I ** 0.5]
+    dy = torch.randn(N, H, generator=gen, device=device, dtype=torch.float64)
+    return [t.to(dtype) for t in (x, weights, *ws)], experts, dy.to(dtype)
+
+
+def run_experts(fn, leaves, experts, dy):
+    """-> [y, dx, dweights, dw_gate, dw_up, dw_down]."""
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    y = fn(leaves[0], leaves[1], experts, *leaves[2:])
+    y.backward(dy)
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+NAMES = ["y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"]
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_gemm_equals_the_loop_on_cpu():
+    """The sort, offsets and un-permutation of experts_grouped, through torch's CPU fallback of _grouped_mm, in
+    float32: 37 rows, top-2 of 5 experts, one expert with no rows."""
+    leaves, experts, dy = expert_inputs(37, 16, 24, 5, 2, torch.float32, "cpu")
+    assert not (experts == 3).any()
+    loop = run_experts(M.experts_loop, leaves, experts, dy)
+    grouped = run_experts(M.experts_grouped, leaves, experts, dy)
+    for name, a, b in zip(NAMES, grouped, loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    assert grouped[3][3].abs().max() == 0  # the empty expert's weights get no gradient
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_on_cuda_in_bf16():
+    """The CUDA grouped GEMM (bf16) and the loop (bf16) against the float64 loop, forward and backward, at 997
+    and 4099 rows (multiples of nothing), top-2 and top-8, one expert with no rows: the grouped path is within 2x
+    of the loop's error or of the bf16 floor. Then the whole block on CUDA bf16 takes the grouped path."""
+    for N, E, k in ((997, 8, 2), (4099, 16, 8)):
+        leaves, experts, dy = expert_inputs(N, 256, 128, E, k, torch.float64, "cuda")
+        ref = run_experts(M.experts_loop, leaves, experts, dy)
+        bf = [t.bfloat16() for t in leaves]
+        assert M.grouped_gemm_ok(bf[0], bf[2])
+        loop = run_experts(M.experts_loop, bf, experts, dy.bfloat16())
+        grouped = run_experts(M.experts_grouped, bf, experts, dy.bfloat16())
+        for name, g, lp, r in zip(NAMES, grouped, loop, ref):
+            assert g.dtype == torch.bfloat16, name
+            floor = rel(r.bfloat16(), r)
+            assert rel(g, r) <= 2 * max(rel(lp, r), floor), (N, name, rel(g, r), rel(lp, r), floor)
+        assert grouped[3][3].abs().max() == 0
+    cfg = moe_cfg(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+    block = M.SparseMoE(cfg).to("cuda", torch.bfloat16)
+    calls = []
+    grouped = M.experts_grouped
+    M.experts_grouped = lambda *a: calls.append(1) or grouped(*a)
+    try:
+        y, counts, _ = block(torch.randn(1, 1001, 256, device="cuda", dtype=torch.bfloat16))
+    finally:
+        M.experts_grouped = grouped
+    assert calls and counts.sum().item() == 1001 * 2 and y.shape == (1, 1001, 256)
+
+
+# --- plan.py ---------------------------------------------------------------------------------------------
+
+def test_plan_counts_parameters_and_the_matmuls_that_run():
+    """plan.Shape's stored parameters are the model's; its matmul FLOPs (router + top-k experts a token) are
+    what a forward of the logits executes, counted by FlopCounterMode (attention's own left out); and the real
+    Qwen3-30B-A3B has its published 30.5B parameters, 3.3B of them active."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import plan
+    cfg = moe_cfg(num_experts=6, num_experts_per_tok=3, mlp_only_layers=[1])
+    m = random_moe(cfg)
+    T = 29
+    s = plan.Shape.of(cfg, T, 1, 1, 1)
+    assert s.params == sum(p.numel() for p in m.parameters()) and s.sparse_layers == 2
+    with FlopCounterMode(display=False) as fc:
+        m.logits(torch.randint(0, 97, (1, T)))
+    matmuls = sum(n for op, n in fc.get_flop_counts()["Global"].items() if "attention" not in str(op))
+    assert matmuls == 2 * plan.matmul_params(s) * T, (matmuls, 2 * plan.matmul_params(s) * T)
+    big = plan.Shape.of(Qwen3Config.from_pretrained(os.path.join(ROOT, "bench/configs/qwen3-30b-a3b")), 1, 1, 1, 1)
+    assert round(big.params / 1e9, 1) == 30.5 and 3.3e9 <= big.active_params < 3.4e9  # "3.3B activated"
+
+
+# --- train.py end to end -----------------------------------------------------------------------------
+
+def test_train_py_runs_a_moe_config_at_cp_1_and_2(tmp_path):
+    """A folder holding only a Qwen3-MoE config.json (random init) trains under torchrun on CPU; cp 2 gives cp
+    1's losses and grad norms (load-balancing loss on: the router counts are all-reduced over the cp group)."""
+    from test_train import run, same_steps
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    cfg = moe_cfg(vocab_size=257, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                  mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.1, initializer_range=0.1)
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    cp1 = run(tmp_path, 1, "--model", str(folder), "--cp", "1")
+    cp2 = run(tmp_path, 2, "--model", str(folder), "--cp", "2", "--mlp_tile", "50", "--tiled_mlp", "true")
+    same_steps(cp1, cp2)
+    assert cp1[-1]["loss"] < cp1[0]["loss"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -197,9 +198,8 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
+        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
         return out
 
 

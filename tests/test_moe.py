@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers  # a test dependency: the independent reference for the model
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 import model as M
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention, zigzag_shard
 from test_fa4 import rel
+from test_loss import LargestTensor
+from test_model import group_of_one, loss_and_grads  # noqa: F401 (a fixture)
 from test_ring import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,20 +217,6 @@ def test_our_checkpoint_loads_in_transformers(tmp_path):
 
 # --- the levers ------------------------------------------------------------------------------------
 
-def loss_and_grads(m, ids, labels):
-    m.zero_grad(set_to_none=True)
-    s, _ = m(ids, labels=labels, loss_chunk=16)
-    s.backward()
-    return s.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
-
-
-@pytest.fixture(scope="module")
-def group_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("levers", [dict(recompute=True), dict(offload=True), dict(recompute=False, mlp_tile=7),
                                     dict(recompute=True, offload=True, mlp_tile=5),
                                     dict(recompute=True, keep_attention=True),
@@ -248,20 +234,6 @@ def test_levers_keep_loss_and_gradients(levers, group_of_one):
     for n in ref_grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
     assert all(b.mlp.tile == levers.get("mlp_tile", 0) for b in m.layers)
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op makes (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        self.numel = max([self.numel, *sizes])
-        return out
 
 
 def test_tiled_moe_makes_no_tensor_of_the_whole_sequence():

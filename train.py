@@ -179,7 +179,8 @@ def flag_help() -> str:
     for line in lines:
         m = re.match(r"    (\w+): [^=]+= (.+?)(?:\s+# (.*))?$", line)
         if m:
-            out.append(f"  --{m[1]} {m[2]}" + (f"  # {m[3]}" if m[3] else ""))
+            value = {"True": "true", "False": "false"}.get(m[2], m[2])  # as the command line spells them
+            out.append(f"  --{m[1]} {value}" + (f"  # {m[3]}" if m[3] else ""))
         elif re.match(r"\s{20,}# ", line) and out:  # a comment continued on the next line
             out[-1] += " " + line.strip()[2:]
         elif line.strip().startswith("# "):

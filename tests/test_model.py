@@ -259,6 +259,16 @@ def loss_and_grads(m, ids, labels):
     return s.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
+def levers_change_nothing(m, levers):
+    """m (float64) on random tokens: the loss and every gradient with `levers` equal those without any lever."""
+    ids, labels = torch.randint(0, 97, (2, 33)), torch.randint(0, 97, (2, 33))
+    ref_loss, ref_grads = loss_and_grads(m.set_levers(recompute=False), ids, labels)
+    loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
 @pytest.fixture(scope="module")
 def group_of_one():
     import torch.distributed as dist
@@ -277,12 +287,7 @@ def test_levers_keep_loss_and_gradients(levers, group_of_one):
     # function with fwd/bwd halves (a ring of one) so that keep_attention really skips the recompute
     m = random_model(tiny(num_key_value_heads=1), dtype=torch.float64)
     m.attn_fn = RingAttention(group_of_one)
-    ids, labels = torch.randint(0, 97, (2, 33)), torch.randint(0, 97, (2, 33))
-    ref_loss, ref_grads = loss_and_grads(m.set_levers(recompute=False), ids, labels)
-    loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
-    for n in ref_grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+    levers_change_nothing(m, levers)
     if levers.get("offload"):  # per layer: the block input [2, 33, 40], and the attention out + lse if kept
         kept = 2 * 33 * 40 + (2 * 5 * 33 * 8 + 2 * 5 * 33 if levers.get("keep_attention") else 0)
         assert m.layers[0].offload.host_bytes() == 3 * kept * 8

@@ -49,7 +49,7 @@ from fsspec.implementations.local import LocalFileSystem
 from huggingface_hub import HfFileSystem
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from parallel import agree, all_ok, zigzag_shard
+from parallel import agree, all_ok, cp_shard
 
 # A parquet copy of PG-19 (28,602 train books, 11 GB): data/{train,validation,test}-000NN-of-000MM-*.parquet with
 # columns short_book_title, publication_date, url, text. The original deepmind/pg19 is a loading script; its
@@ -964,7 +964,7 @@ class DataError(Exception):
 
 @dataclasses.dataclass
 class Micro:
-    """One micro-batch on this rank: its zigzag share of one window."""
+    """One micro-batch on this rank: its share of one window (parallel.cp_shard)."""
     inputs: torch.Tensor       # [1, T/cp]
     labels: torch.Tensor       # [1, T/cp], -100 where not trained on
     positions: torch.Tensor    # [1, T/cp] RoPE positions: in the sequence (concat) or in each document (docs)
@@ -977,18 +977,19 @@ class Batches:
 
     Only the first rank of each context-parallel group reads and tokenizes: make_loader() is called there alone
     (a WindowLoader over this data-parallel group's windows), and each window is broadcast to the rest of the
-    group, which shards it (zigzag). An error on the reading rank stops every rank of the world together.
+    group, which shards it (parallel.cp_shard: zigzag for one sequence; packed documents by their masked area
+    unless balanced is False). An error on the reading rank stops every rank of the world together.
     packing "concat": a window is seq_len + 1 tokens of one stream, its labels the inputs shifted by one.
     packing "docs": a Window (inputs, labels, documents), sent as one [3, T + 1] tensor: inputs, labels, a 1 where
     a document starts, and the padding count in the last column."""
 
     def __init__(self, make_loader: Callable[[], "WindowLoader"], seq_len: int, grad_accum: int, packing: str,
-                 cp_group, device):
-        self.seq_len, self.grad_accum, self.packing = seq_len, grad_accum, packing
+                 cp_group, device, balanced: bool = True):
+        self.seq_len, self.grad_accum, self.packing, self.balanced = seq_len, grad_accum, packing, balanced
         self.group, self.device = cp_group, device
         self.cp_rank, self.cp = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         self.src = dist.get_global_rank(cp_group, 0)
-        self.positions = zigzag_shard(torch.arange(seq_len, device=device), 0, self.cp_rank, self.cp)[None]
+        self.positions = cp_shard(torch.arange(seq_len, device=device), 0, self.cp_rank, self.cp)[None]
         self.loader, error = None, None
         if self.cp_rank == 0:
             try:
@@ -1023,15 +1024,15 @@ class Batches:
         return w
 
     def _micro(self, w) -> Micro:
-        def shard(x):
-            return zigzag_shard(x, 0, self.cp_rank, self.cp)[None]            # [1, T/cp]
+        def shard(x, doc_lens=None):
+            return cp_shard(x, 0, self.cp_rank, self.cp, doc_lens, self.balanced)[None]  # [1, T/cp]
         if self.packing == "concat":                  # [T + 1]: labels shifted on the whole sequence, then sharded
             return Micro(shard(w[:-1]), shard(w[1:]), self.positions, None, 0)
         T = self.seq_len
         starts = w[2, :T].nonzero().squeeze(1).tolist()
         doc_lens = tuple(b - a for a, b in zip(starts, starts[1:] + [T]))
-        return Micro(shard(w[0, :T]), shard(w[1, :T]), shard(doc_positions(doc_lens).to(w.device)), doc_lens,
-                     int(w[2, T]))
+        return Micro(shard(w[0, :T], doc_lens), shard(w[1, :T], doc_lens),
+                     shard(doc_positions(doc_lens).to(w.device), doc_lens), doc_lens, int(w[2, T]))
 
     def next(self) -> list[Micro]:
         return [self._micro(self._window()) for _ in range(self.grad_accum)]

@@ -16,31 +16,106 @@ import torch
 import torch.distributed as dist
 
 # ---------------------------------------------------------------------------------------------
-# Zigzag sharding
+# Sharding the window over the ranks of a context-parallel group
 # ---------------------------------------------------------------------------------------------
 
-# Causal attention over one long sequence split across the ranks of a context-parallel group. The sequence
-# is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r (zigzag): one early and one late chunk, so
-# every rank owns the same share of the causal triangle.
+# The window is cut into n equal chunks and each rank holds n / cp of them, end to end in increasing order: its
+# layout. Every rank holds the same number of tokens, so the ring passes equal K/V shards.
+#   One sequence (doc_lens None): zigzag. n = 2*cp and rank r holds chunks r and 2*cp-1-r, one early and one late,
+#     so every rank owns the same share of the causal triangle.
+#   Packed documents: zigzag balances one triangle only; with documents, the work of a chunk is the area of the
+#     document mask in its query rows, which depends on where the documents fall. balanced_layout assigns chunks
+#     to ranks by that area (largest first, each to the least loaded rank with room), a pure function of the
+#     document lengths, so every rank derives the same layout with no communication.
+
+BALANCE_CHUNKS = (2, 4, 8, 16)  # chunks per rank tried, fewest first: more chunks balance finer, launch more blocks
+BALANCE_TOLERANCE = 0.02        # ... until the busiest rank's area is within this fraction of the mean
+MIN_CHUNK = 128                 # tokens: a chunk below one kernel tile wastes more than it balances
 
 
-def zigzag_shard(x, dim, rank, world):
-    """Rank's zigzag shard of x along dim: chunks rank and 2*world-1-rank of 2*world equal chunks."""
-    if x.shape[dim] % (2 * world):
+def chunk_areas(doc_lens, n):
+    """The document mask's area (query-key pairs, key not after query, same document) in the query rows of each of n
+    equal chunks of the window -> [n] ints. A full causal window of L tokens has L*(L+1)/2 in all."""
+    t = sum(doc_lens)
+    c, areas, start = t // n, [0] * n, 0
+    for length in doc_lens:  # a document's query at offset j sees j + 1 keys
+        end = start + length
+        for j in range(start // c, (end - 1) // c + 1):  # the chunks it touches
+            a, b = max(start, j * c) - start, min(end, (j + 1) * c) - start
+            areas[j] += (b * (b + 1) - a * (a + 1)) // 2
+        start = end
+    return areas
+
+
+def _assign(areas, world):
+    """Longest processing time first with equal counts: chunks by area, largest first, each to the least loaded rank
+    that holds fewer than n / world -> (layout, busiest rank's area / mean area - 1)."""
+    per_rank = len(areas) // world
+    load, held = [0] * world, [[] for _ in range(world)]
+    for j in sorted(range(len(areas)), key=lambda j: (-areas[j], j)):
+        r = min((r for r in range(world) if len(held[r]) < per_rank), key=lambda r: (load[r], r))
+        held[r].append(j)
+        load[r] += areas[j]
+    return tuple(tuple(sorted(h)) for h in held), max(load) * world / max(sum(load), 1) - 1
+
+
+def zigzag_layout(world):
+    return tuple((r, 2 * world - 1 - r) for r in range(world))
+
+
+@functools.lru_cache(maxsize=64)
+def balanced_layout(doc_lens, world):
+    """The layout of a window of documents (their lengths, a tuple, in order) over world ranks: the fewest chunks per
+    rank (BALANCE_CHUNKS, each chunk at least MIN_CHUNK tokens and the window divisible) whose _assign puts every
+    rank within BALANCE_TOLERANCE of the mean area, else the best of them. A full causal window gives zigzag."""
+    t = sum(doc_lens)
+    if world == 1:
+        return ((0,),)
+    best = None
+    for k in BALANCE_CHUNKS:
+        n = world * k
+        if t % n or (k > 2 and t // n < MIN_CHUNK):
+            continue
+        layout, excess = _assign(chunk_areas(doc_lens, n), world)
+        if best is None or excess < best[1]:
+            best = layout, excess
+        if excess <= BALANCE_TOLERANCE:
+            break
+    if best is None:
+        raise ValueError(f"a window of {t} tokens cannot be cut into 2*cp = {2 * world} equal chunks")
+    return best[0]
+
+
+def cp_layout(world, doc_lens=None, balanced=True):
+    """Per rank, the chunks it holds (n equal chunks of the window, n = world * the length of each tuple):
+    zigzag for one sequence (doc_lens None or one length) or with balanced=False, else balanced_layout."""
+    if doc_lens is None or len(doc_lens) < 2 or not balanced:
+        return zigzag_layout(world)
+    return balanced_layout(tuple(doc_lens), world)
+
+
+def cp_shard(x, dim, rank, world, doc_lens=None, balanced=True):
+    """Rank's shard of x along dim: the chunks cp_layout gives it, end to end."""
+    layout = cp_layout(world, doc_lens, balanced)
+    n = world * len(layout[0])
+    if x.shape[dim] % n:
         raise ValueError(f"sequence length L={x.shape[dim]} must be divisible by 2*cp={2 * world}")
-    chunks = x.chunk(2 * world, dim)
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+    chunks = x.chunk(n, dim)
+    return torch.cat([chunks[j] for j in layout[rank]], dim)
 
 
-def zigzag_unshard(shards, dim):
-    """Inverse of zigzag_shard, from the list of all ranks' shards in rank order."""
-    halves = [s.chunk(2, dim) for s in shards]  # rank r: (chunk r, chunk 2w-1-r)
-    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+def cp_unshard(shards, dim, doc_lens=None, balanced=True):
+    """Inverse of cp_shard, from the list of all ranks' shards in rank order."""
+    layout = cp_layout(len(shards), doc_lens, balanced)
+    chunks = {}
+    for held, shard in zip(layout, shards):
+        chunks.update(zip(held, shard.chunk(len(held), dim)))
+    return torch.cat([chunks[j] for j in sorted(chunks)], dim)
 
 
-def zigzag_positions(seq_len, rank, world, device=None):
-    """Global position ids [seq_len // world] of rank's tokens (its RoPE positions)."""
-    return zigzag_shard(torch.arange(seq_len, device=device), 0, rank, world)
+def cp_positions(seq_len, rank, world, doc_lens=None, balanced=True, device=None):
+    """Global position ids [seq_len // world] of rank's tokens (in the window: the RoPE positions of one sequence)."""
+    return cp_shard(torch.arange(seq_len, device=device), 0, rank, world, doc_lens, balanced)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,23 +194,58 @@ def _cudnn_refused(e):
     return not isinstance(e, torch.OutOfMemoryError) and "cudnn" in str(e).lower()
 
 
+@functools.lru_cache(maxsize=64)
+def _cu_seqlens(pieces, batch, device):
+    """FA4's variable-length arguments for `batch` rows of the same pieces laid end to end: (cu_seqlens int32
+    [batch * len(pieces) + 1], the longest piece)."""
+    t, ends = sum(pieces), list(itertools.accumulate(pieces))
+    cu = [0] + [row * t + e for row in range(batch) for e in ends]
+    return torch.tensor(cu, dtype=torch.int32, device=device), max(pieces)
+
+
 def _fa4_fwd(q, k, v, causal):
     from flash_attn.cute.interface import _flash_attn_fwd
-    out, lse = _flash_attn_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                               return_lse=True)[:2]  # out [B, Tq, Hq, D]; lse [B, Hq, Tq] fp32, natural log
-    return out.transpose(1, 2), lse
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, H, D], the model's memory
+    if not isinstance(causal, tuple):
+        out, lse = _flash_attn_fwd(q, k, v, causal=causal, return_lse=True)[:2]  # lse [B, Hq, Tq] fp32, natural log
+        return out.transpose(1, 2), lse
+    b, t = q.shape[:2]  # pieces: one variable-length call over the B*T rows, causal inside each piece
+    cu, longest = _cu_seqlens(causal, b, q.device)
+    out, lse = _flash_attn_fwd(*(x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)), cu_seqlens_q=cu,
+                               cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True,
+                               return_lse=True)[:2]  # out [B*T, Hq, D], lse [Hq, B*T]
+    return out.view(b, t, *out.shape[1:]).transpose(1, 2), lse.view(-1, b, t).transpose(0, 1)
 
 
 def _fa4_bwd(dout, q, k, v, out, lse, causal):
     from flash_attn.cute.interface import _flash_attn_bwd
-    dq, dk, dv = _flash_attn_bwd(*(x.transpose(1, 2) for x in (q, k, v, out, dout)), lse, causal=causal)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    q, k, v, out, dout = (x.transpose(1, 2) for x in (q, k, v, out, dout))
+    if not isinstance(causal, tuple):
+        grads = _flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)
+        return tuple(g.transpose(1, 2) for g in grads[:3])
+    b, t = q.shape[:2]
+    cu, longest = _cu_seqlens(causal, b, q.device)
+    grads = _flash_attn_bwd(*(x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, out, dout)),
+                            lse.transpose(0, 1).reshape(lse.shape[1], b * t), causal=True, cu_seqlens_q=cu,
+                            cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+    return tuple(g.view(b, t, *g.shape[1:]).transpose(1, 2) for g in grads[:3])
+
+
+def _spans(pieces):
+    return [slice(e - n, e) for n, e in zip(pieces, itertools.accumulate(pieces))]
 
 
 def _attn_fwd(q, k, v, causal, backend="auto"):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> out [B, Hq, Tq, D] in q.dtype, lse [B, Hq, Tq] fp32 (natural log).
     causal is used only with Tq == Tk (where cuDNN's top-left and FlashAttention's bottom-right masks agree):
-    query i sees keys 0..i."""
+    query i sees keys 0..i. causal may also be a tuple of piece lengths summing to Tq == Tk (the documents of a
+    chunk): causal inside each piece, nothing across. FA4 runs them in one variable-length call, the others one
+    call per piece."""
+    if isinstance(causal, tuple) and _kernels(backend, q.device) != "fa4":
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_acc(q))  # the kernels' lse dtype
+        for s in _spans(causal):
+            out[:, :, s], lse[:, :, s] = _attn_fwd(q[:, :, s], k[:, :, s], v[:, :, s], True, backend)
+        return out, lse
     kernels = _kernels(backend, q.device, q, k)
     if kernels == "cpu":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -185,6 +295,12 @@ def _attn_bwd(dout, q, k, v, out, lse, causal, heads_per_call=None, backend="aut
     """Gradients of one _attn_fwd call from its inputs, out (in q.dtype) and lse [B, Hq, Tq] fp32.
     -> dq [B, Hq, Tq, D], dk/dv [B, Hkv, Tk, D], in q.dtype. Runs heads_per_call query heads (with their
     K/V heads) per kernel call (default BWD_QUERY_HEADS_PER_CALL, rounded to whole K/V heads dividing Hkv)."""
+    if isinstance(causal, tuple) and _kernels(backend, q.device) != "fa4":  # one call per piece
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for s in _spans(causal):
+            dq[:, :, s], dk[:, :, s], dv[:, :, s] = _attn_bwd(dout[:, :, s], q[:, :, s], k[:, :, s], v[:, :, s],
+                                                             out[:, :, s], lse[:, :, s], True, heads_per_call, backend)
+        return dq, dk, dv
     kernels = _kernels(backend, q.device, q, k)
     hq, hkv = q.shape[1], k.shape[1]
     per_kv = hq // hkv  # query heads per K/V head
@@ -229,31 +345,34 @@ def _visible_part(rank, src, t):
 
 # Documents. A window may hold several documents laid end to end (doc_lens: their lengths, in order, summing to
 # the global length); a query then sees only the keys of its own document, up to itself. Each (query chunk, key
-# chunk) pair of a ring step is intersected with the documents, and only what is left is launched.
+# chunk) pair of a ring step is intersected with the documents, and only what is left is launched. `docs` below is
+# (doc_lens, balanced): balanced takes balanced_layout and runs a rank's diagonal as one block of pieces (one
+# variable-length call with FA4); not balanced is the simple path: zigzag, one kernel call per document piece.
 
-@functools.lru_cache(maxsize=8)  # a window's blocks serve every layer, forward and backward
-def _doc_blocks(doc_lens, rank, world):
+@functools.lru_cache(maxsize=16)  # a window's blocks serve every layer, forward and backward
+def _doc_blocks(docs, rank, world):
     """Per ring step i (source rank - i), a tuple of this rank's (query rows, key columns, causal) blocks of the
-    document mask, in local coordinates (the source's for the columns). doc_lens: a tuple of 2+ positive ints.
+    document mask, in local coordinates (the source's for the columns). docs: (doc_lens, balanced), doc_lens a
+    tuple of 2+ positive ints.
 
-    With the local chunks [A | B] and the source's [C | D] (zigzag; a ring of one has a single chunk, the whole
-    window), each pair of a query chunk and a key chunk not after it gives:
+    With the chunks of cp_layout (a ring of one has a single chunk, the whole window), each pair of a query chunk of
+    this rank and a key chunk of the source, the key chunk not after the query chunk, gives:
       the same chunk: one causal block per document piece inside it (the diagonal);
       key chunk before query chunk: a document is contiguous, so only the one holding the key chunk's last token
         can reach the query chunk. If it does, one full block: its queries in the query chunk x its keys in the
         key chunk. Otherwise nothing: a pair sharing no document launches no kernel.
-    Invariants (tests/test_docs.py): the blocks of all ranks and steps cover the document mask exactly once; the
-    causal blocks are all at step 0, come first, and cover each local row once (every query sees itself), so
-    each row is written by its causal block before any other block is merged into it. One kernel call per block:
-    correct, but slow for many short documents, and the ranks' work is not balanced (zigzag balances the one
-    full triangle only)."""
+    balanced: the diagonal's pieces, which tile the rank's rows, become one block (all rows, all columns, causal =
+    the tuple of piece lengths). Invariants (tests/test_docs.py): the blocks of all ranks and steps cover the
+    document mask exactly once; the causal blocks are all at step 0, come first, and cover each local row once
+    (every query sees itself), so each row is written by its causal block before any other block is merged in."""
+    doc_lens, balanced = docs
     t = sum(doc_lens)
     ends = list(itertools.accumulate(doc_lens))  # document j covers [ends[j] - doc_lens[j], ends[j])
-    n = 1 if world == 1 else 2 * world
-    c = t // n
+    layout = ((0,),) if world == 1 else cp_layout(world, doc_lens, balanced)
+    c = t // (world * len(layout[0]))
 
     def chunks(r):  # (global start, local start) of rank r's chunks
-        return ((0, 0),) if world == 1 else ((r * c, 0), ((n - 1 - r) * c, c))
+        return tuple((j * c, m * c) for m, j in enumerate(layout[r]))
 
     steps = []
     for i in range(world):
@@ -273,15 +392,26 @@ def _doc_blocks(doc_lens, rank, world):
                         rows = slice(row0, min(ends[j], q0 + c) - q0 + row0)
                         cols = slice(max(ends[j] - doc_lens[j], k0) - k0 + col0, c + col0)
                         full.append((rows, cols, False))
+        if balanced and diagonal:
+            diagonal = [(slice(None), slice(None), tuple(p.stop - p.start for p, _, _ in diagonal))]
         steps.append(tuple(diagonal + full))
     return tuple(steps)
 
 
-def _ring_blocks(doc_lens, rank, world, t):
+def _ring_blocks(docs, rank, world, t):
     """Per ring step, the blocks to compute: _visible_part's one block without documents, else _doc_blocks."""
-    if doc_lens is None:
+    if docs is None:
         return tuple((_visible_part(rank, (rank - i) % world, t),) for i in range(world))
-    return _doc_blocks(doc_lens, rank, world)
+    return _doc_blocks(docs, rank, world)
+
+
+@functools.lru_cache(maxsize=16)
+def _last_step(docs, world):
+    """The last ring step at which any rank has a block: the K/V go no further round the ring. world - 1 for one
+    sequence; 0 when no two ranks share a document (then nothing travels)."""
+    if docs is None:
+        return world - 1
+    return max(i for r in range(world) for i, blocks in enumerate(_doc_blocks(docs, r, world)) if blocks)
 
 
 def _acc(q):
@@ -320,14 +450,15 @@ def _bwd_block(dout, q, k, v, out, lse, dq, block, backend="auto"):
 
 
 class _Ring:
-    """Sends tensors to the next rank of the group and receives the same shapes from the previous one.
-    start() posts the transfer and returns the receive buffers at once; wait() before reading them, so
-    the transfer runs while the caller computes (a double buffer: the current K/V and the next)."""
+    """Sends tensors `shift` ranks on in the group and receives the same shapes from `shift` ranks back (shift 1:
+    the next rank and the previous one). start() posts the transfer and returns the receive buffers at once; wait()
+    before reading them, so the transfer runs while the caller computes (a double buffer: the current K/V and the
+    next)."""
 
-    def __init__(self, group):
+    def __init__(self, group, shift=1):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (rank + 1) % world)
-        self.prev = dist.get_global_rank(group, (rank - 1) % world)
+        self.next = dist.get_global_rank(group, (rank + shift) % world)
+        self.prev = dist.get_global_rank(group, (rank - shift) % world)
         self.group, self.reqs = group, []
 
     def start(self, *tensors):
@@ -343,50 +474,52 @@ class _Ring:
         self.reqs = []
 
 
-def _ring_fwd(q, k, v, group, backend, doc_lens=None):
-    """q [B, Hq, T, D], k/v [B, Hkv, T, D], zigzag-sharded over group -> out [B, Hq, T, D] in q.dtype,
-    lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i. doc_lens: None (one sequence) or a
-    tuple of 2+ document lengths over the whole window (_documents)."""
+def _ring_fwd(q, k, v, group, backend, docs=None):
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D], sharded over group (cp_shard) -> out [B, Hq, T, D] in q.dtype,
+    lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i. docs: None (one sequence) or
+    (doc_lens, balanced) (_documents); the ring stops after _last_step."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world == 1 and doc_lens is None:  # one device: the kernel's own output, no fp32 merge buffer
-        return _attn_fwd(q, k, v, True, backend)
-    steps = _ring_blocks(doc_lens, rank, world, q.shape[2])
+    steps = _ring_blocks(docs, rank, world, q.shape[2])
+    if world == 1 and len(steps[0]) == 1:  # one block over every row (one sequence, or balanced documents) on
+        return _attn_fwd(q, k, v, steps[0][0][2], backend)  # one device: the kernel's own output, no fp32 buffer
+    last = _last_step(docs, world)
     out = lse = None
-    if doc_lens is not None:  # blocks reach some rows only: buffers, each row first written by a causal block
+    if docs is not None and not docs[1]:  # pieces reach some rows only: buffers, each row first written by a piece
         out, lse = torch.empty_like(q, dtype=_acc(q)), q.new_empty(q.shape[:3], dtype=_acc(q))
-    if world > 1:
+    if last:
         k, v = k.contiguous(), v.contiguous()  # they are sent, and NCCL/gloo send contiguous tensors only
     ring = _Ring(group)
-    for i in range(world):
-        if i + 1 < world:
+    for i in range(last + 1):
+        if i < last:
             k_next, v_next = ring.start(k, v)
         for block in steps[i]:
             out, lse = _fwd_block(q, k, v, out, lse, block, backend)
-        if i + 1 < world:
+        if i < last:
             ring.wait()
             k, v = k_next, v_next
     return out.to(q.dtype), lse  # the backward kernels take out in q's dtype
 
 
-def _ring_bwd(dout, q, k, v, out, lse, group, backend, doc_lens=None):
+def _ring_bwd(dout, q, k, v, out, lse, group, backend, docs=None):
     """dout, q, out [B, Hq, T, D], k/v [B, Hkv, T, D], lse [B, Hq, T] fp32 -> dq, dk, dv in the inputs' dtype.
     K/V go round the ring again; dK/dV buffers (fp32) go round with them, one step behind: the buffer a
-    rank holds at step i belongs to the K/V it holds, rank - i. After the last step it belongs to rank + 1,
-    so one more hop delivers every buffer, with all world contributions, to its owner. doc_lens: as in forward,
-    which gives the same blocks."""
+    rank holds at step i belongs to the K/V it holds, rank - i. After the last step, one more transfer, `last`
+    ranks back, delivers every buffer, with all its contributions, to its owner (after a whole ring: the next
+    rank). docs: as in forward, which gives the same blocks."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world == 1 and doc_lens is None:  # one device: the kernel's own gradients, no fp32 accumulators
-        return _attn_bwd(dout, q, k, v, out, lse, True, backend=backend)
-    steps = _ring_blocks(doc_lens, rank, world, q.shape[2])
+    steps = _ring_blocks(docs, rank, world, q.shape[2])
+    if world == 1 and len(steps[0]) == 1:  # one device, one block: the kernel's own gradients
+        return _attn_bwd(dout, q, k, v, out, lse, steps[0][0][2], backend=backend)
+    last = _last_step(docs, world)
     dtypes = q.dtype, k.dtype, v.dtype
-    if world > 1:
+    if last:
         k, v = k.contiguous(), v.contiguous()
-    kv_ring, grad_ring = _Ring(group), _Ring(group)
+    kv_ring, grad_ring, home = _Ring(group), _Ring(group), _Ring(group, -last)
     dq = torch.zeros_like(q, dtype=_acc(q))
     dk = torch.zeros_like(k, dtype=_acc(q))
     dv = torch.zeros_like(v, dtype=_acc(q))
-    for i in range(world):
-        if i + 1 < world:
+    for i in range(last + 1):
+        if i < last:
             k_next, v_next = kv_ring.start(k, v)
         grads = [_bwd_block(dout, q, k, v, out, lse, dq, block, backend) for block in steps[i]]
         if i > 0:  # the source's buffer, sent on by the previous rank after its step i - 1
@@ -395,28 +528,29 @@ def _ring_bwd(dout, q, k, v, out, lse, group, backend, doc_lens=None):
         for cols, dk_b, dv_b in grads:
             dk[:, :, cols] += dk_b
             dv[:, :, cols] += dv_b
-        if world > 1:  # a ring of one keeps its buffers
+        if i < last:
             dk_next, dv_next = grad_ring.start(dk, dv)
-        if i + 1 < world:
             kv_ring.wait()
             k, v = k_next, v_next
-    if world > 1:
-        grad_ring.wait()
+        elif last:  # the buffer of rank - last goes home; this rank's comes from rank + last
+            dk_next, dv_next = home.start(dk, dv)
+    if last:
+        home.wait()
         dk, dv = dk_next, dv_next
     return tuple(g.to(dt) for g, dt in zip((dq, dk, dv), dtypes))
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, backend, doc_lens):
-        out, lse = _ring_fwd(q, k, v, group, backend, doc_lens)
+    def forward(ctx, q, k, v, group, backend, docs):
+        out, lse = _ring_fwd(q, k, v, group, backend, docs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.backend, ctx.doc_lens = group, backend, doc_lens
+        ctx.group, ctx.backend, ctx.docs = group, backend, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        return *_ring_bwd(dout, *ctx.saved_tensors, ctx.group, ctx.backend, ctx.doc_lens), None, None, None
+        return *_ring_bwd(dout, *ctx.saved_tensors, ctx.group, ctx.backend, ctx.docs), None, None, None
 
 
 def _check(q, k, v, group):
@@ -436,9 +570,10 @@ def _check(q, k, v, group):
         raise ValueError(f"the CUDA attention kernels take bf16 or fp16, not {q.dtype}")
 
 
-def _documents(doc_lens, t, group):
+def _documents(doc_lens, t, group, balanced):
     """doc_lens (document lengths over the whole window, in order) checked against the local length t on each
-    rank of group -> a tuple of ints (the key of _doc_blocks' cache), or None for one document: the plain ring."""
+    rank of group -> docs = (a tuple of ints, balanced), the key of _doc_blocks' cache; None for one document: the
+    plain ring."""
     if doc_lens is None:
         return None
     world = dist.get_world_size(group)
@@ -450,46 +585,49 @@ def _documents(doc_lens, t, group):
         raise ValueError(f"doc_lens must be positive lengths summing to the window's {t * world} tokens ({t} on "
                          f"each of {world} ranks); got {len(lens)} lengths, sum {sum(lens)}, "
                          f"min {min(lens, default=0)}")
-    return lens if len(lens) > 1 else None
+    return (lens, bool(balanced)) if len(lens) > 1 else None
 
 
 class RingAttention:
-    """The model's attn_fn: causal attention over a sequence zigzag-sharded (zigzag_shard, with the rank in
-    `group`) across the ranks of `group`; a group of one is plain causal attention. q [B, Hq, T, D],
-    k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's two chunks; softmax scale 1/sqrt(D).
+    """The model's attn_fn: causal attention over a sequence sharded across the ranks of `group` (cp_shard, with
+    the rank in `group` and the same doc_lens and balanced); a group of one is plain causal attention.
+    q [B, Hq, T, D], k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's chunks; softmax scale 1/sqrt(D).
 
     doc_lens: the window's documents, their lengths in order over the whole (global, unsharded) window, the same
     in every batch row; a query then sees only keys of its own document, up to itself. None or one length: one
     causal sequence. The RoPE positions inside each document are the caller's (the model's position_ids).
+    balanced: with documents, the chunk layout balanced by masked area and a rank's documents in one
+    variable-length call (FA4); False: zigzag and one call per document piece (the simple path, for comparison).
 
     backend: one of ATTN_BACKENDS, resolved once here; self.backend says which kernels run ("fa4", "cudnn",
     "flash", or "cpu" without CUDA). Calling it is differentiable; fwd and bwd are its two halves without
     autograd, for the recomputed block that keeps attention's output and lse (model.py, "Memory levers")."""
 
-    def __init__(self, group, backend="auto"):
-        self.group, self.backend = group, resolve_backend(backend)
+    def __init__(self, group, backend="auto", balanced=True):
+        self.group, self.backend, self.balanced = group, resolve_backend(backend), balanced
+
+    def _docs(self, doc_lens, q):
+        return _documents(doc_lens, q.shape[2], self.group, self.balanced)
 
     def __call__(self, q, k, v, doc_lens=None):
         """-> out [B, Hq, T, D] in q.dtype."""
         _check(q, k, v, self.group)
-        doc_lens = _documents(doc_lens, q.shape[2], self.group)
-        return _RingAttention.apply(q, k, v, self.group, self.backend, doc_lens)
+        return _RingAttention.apply(q, k, v, self.group, self.backend, self._docs(doc_lens, q))
 
     def fwd(self, q, k, v, doc_lens=None):
         """-> out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] fp32."""
         _check(q, k, v, self.group)
-        return _ring_fwd(q, k, v, self.group, self.backend, _documents(doc_lens, q.shape[2], self.group))
+        return _ring_fwd(q, k, v, self.group, self.backend, self._docs(doc_lens, q))
 
     def bwd(self, dout, q, k, v, out, lse, doc_lens=None):
         """-> dq, dk, dv in the inputs' dtype. doc_lens: the forward's."""
-        return _ring_bwd(dout, q, k, v, out, lse, self.group, self.backend,
-                         _documents(doc_lens, q.shape[2], self.group))
+        return _ring_bwd(dout, q, k, v, out, lse, self.group, self.backend, self._docs(doc_lens, q))
 
 
-def ring_attention(q, k, v, group, backend="auto", doc_lens=None):
+def ring_attention(q, k, v, group, backend="auto", doc_lens=None, balanced=True):
     """Causal ring attention of q [B, Hq, T, D] to k/v [B, Hkv, T, D] over `group` (see RingAttention), within
     documents when doc_lens is given. -> [B, Hq, T, D] in q.dtype. Differentiable w.r.t. q, k, v."""
-    return RingAttention(group, backend)(q, k, v, doc_lens)
+    return RingAttention(group, backend, balanced)(q, k, v, doc_lens)
 
 
 # ---------------------------------------------------------------------------------------------

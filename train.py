@@ -70,6 +70,8 @@ class TrainConfig:
     # template of the tokenizer's folder
     packing: str = "auto"         # concat: texts end to end, attending across (PG-19) | docs: each document
                                   # attends to itself alone | auto: concat for text rows, docs for the others
+    doc_attention: str = "balanced"  # docs: balanced (chunks dealt to ranks by the mask's area; FA4 runs a rank's
+                                     # documents in one call) | simple (zigzag, a call per document piece; slower)
     assistant_only_loss: bool = True   # messages rows: train on the assistant's turns only
     completion_only_loss: bool = True  # prompt/completion rows: train on the completion only
     seq_len: int = 1_048_576
@@ -206,6 +208,7 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     need(not cfg.stochastic_rounding or cfg.param_dtype == "bfloat16",
          "--stochastic_rounding true rounds updates into bf16 weights: it needs --param_dtype bfloat16")
     need(cfg.packing in ("auto", *data.PACKINGS), f"--packing {cfg.packing}: use auto, concat or docs")
+    need(cfg.doc_attention in ("balanced", "simple"), f"--doc_attention {cfg.doc_attention}: use balanced or simple")
     need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0, "--gpu_mem_gib and --host_mem_gib must be >= 0")
     need(cfg.offload_layers >= -1 and cfg.keep_attention_layers >= -1,
          "--offload_layers and --keep_attention_layers count blocks: 0 or more, or -1 for every block")
@@ -437,7 +440,7 @@ def setup(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Setup:
     torch.manual_seed(cfg.seed)
     # A context-parallel group is cp consecutive ranks: one node when it fits
     mesh = init_device_mesh(cfg.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    attn = parallel.RingAttention(mesh.get_group("cp"), backend=cfg.attn_backend)
+    attn = parallel.RingAttention(mesh.get_group("cp"), cfg.attn_backend, cfg.doc_attention == "balanced")
     model, mcfg, path, shapes = build_model(cfg, given, mesh, attn, device, log)
     n_params = sum(math.prod(s) for s in shapes.values())
     moe = (f" ({human_count(plan.Shape.of(mcfg, 1, 1, 1, 1).active_params)} active: top-{mcfg.num_experts_per_tok} "
@@ -609,7 +612,8 @@ def make_batches(cfg: TrainConfig, s: Setup, source: str, split: str, grad_accum
                 source, tok, start_row=start, assistant_only_loss=cfg.assistant_only_loss,
                 completion_only_loss=cfg.completion_only_loss, **kw)
         return data.WindowLoader(rows, tok, cfg.seq_len, dp_rank=dp_rank, dp_size=dp, packing=packing)
-    return data.Batches(make_loader, cfg.seq_len, grad_accum, packing, s.mesh.get_group("cp"), s.device)
+    return data.Batches(make_loader, cfg.seq_len, grad_accum, packing, s.mesh.get_group("cp"), s.device,
+                        balanced=cfg.doc_attention == "balanced")
 
 
 # ---------------------------------------------------------------------------------------------

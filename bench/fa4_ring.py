@@ -46,7 +46,7 @@ def main():
         dist.init_process_group("nccl")
     group, gen = dist.group.WORLD, torch.Generator(dev).manual_seed(0)
     whole = [torch.randn(1, t, h, d, device=dev, generator=gen).to(torch.bfloat16) for h in (hq, hkv, hkv, hq)]
-    q, k, v, dout = (parallel.zigzag_shard(x, 1, rank, world).transpose(1, 2) for x in whole)  # [B, H, T/cp, D]
+    q, k, v, dout = (parallel.cp_shard(x, 1, rank, world).transpose(1, 2) for x in whole)  # [B, H, T/cp, D]
     if rank != 0:
         del whole
     results = []
@@ -67,7 +67,7 @@ def main():
             x = x.contiguous()  # a collective writes raw bytes: the receive buffers must be contiguous too
             parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
             dist.gather(x, parts, dst=0)
-            gathered.append(parallel.zigzag_unshard(parts, 2) if rank == 0 else None)
+            gathered.append(parallel.cp_unshard(parts, 2) if rank == 0 else None)
         del got
         if rank == 0:
             wq, wk, wv, wd = (x.transpose(1, 2) for x in whole)

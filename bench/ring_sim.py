@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parallel import (_attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _visible_part, zigzag_shard,  # noqa: E402
-                      zigzag_unshard)
+from parallel import (_attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _visible_part, cp_shard,  # noqa: E402
+                      cp_unshard)
 
 
 def ring_forward(qs, ks, vs):
@@ -115,14 +115,14 @@ def main():
     q = torch.randn(b, hq, seq, d, device=device, dtype=dtype)
     k, v, = (torch.randn(b, hkv, seq, d, device=device, dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
-    qs, ks, vs, douts = ([zigzag_shard(x, 2, r, cp) for r in range(cp)] for x in (q, k, v, dout))
+    qs, ks, vs, douts = ([cp_shard(x, 2, r, cp) for r in range(cp)] for x in (q, k, v, dout))
 
     # Accuracy: the simulated ring against one SDPA call with autograd on the whole sequence.
     fwd = ring_forward(qs, ks, vs)
     dqs, dks, dvs = ring_backward(douts, qs, ks, vs, fwd)
-    got = {"out": zigzag_unshard([o for o, _ in fwd], 2)}
+    got = {"out": cp_unshard([o for o, _ in fwd], 2)}
     for name, shards in (("dq", dqs), ("dk", dks), ("dv", dvs)):
-        got[name] = zigzag_unshard([s.to(dtype) for s in shards], 2)  # the ring returns grads in q.dtype
+        got[name] = cp_unshard([s.to(dtype) for s in shards], 2)  # the ring returns grads in q.dtype
     del fwd, dqs, dks, dvs
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     ref_out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)

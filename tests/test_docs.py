@@ -7,6 +7,7 @@ run alone through transformers' Qwen3ForCausalLM. CPU; the tests marked gpu chec
 Each world size spawns its ranks once (tests/test_ring.py's run_ranks): every rank runs all CASES in every
 document layout, and a packed window through the model, and saves its shards; the parent gathers and compares.
 """
+import itertools
 import math
 import random
 from pathlib import Path
@@ -21,7 +22,7 @@ import transformers  # a test dependency: the independent reference for the mode
 import model as M
 import parallel
 from model import Qwen3, Qwen3Config
-from parallel import RingAttention, ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+from parallel import RingAttention, cp_positions, cp_shard, cp_unshard, ring_attention
 from test_fa4 import rel
 from test_ring import _free_port, _record_blocks, make_inputs, run_ranks
 
@@ -69,8 +70,8 @@ def naive_doc_attention(q, k, v, doc_lens):
 
 
 def expected_calls(doc_lens, rank, world):
-    """Kernel calls the contract allows a rank, each way: per query chunk of its own and key chunk not after it,
-    one per document the two share (a ring of one has a single chunk, the whole window)."""
+    """Kernel calls the simple path makes on a rank, each way: per query chunk of its own and key chunk not after
+    it, one per document the two share (a ring of one has a single chunk, the whole window)."""
     doc = torch.arange(len(doc_lens)).repeat_interleave(torch.tensor(doc_lens))
     n = 1 if world == 1 else 2 * world
     in_chunk = [set(c.tolist()) for c in doc.chunk(n)]
@@ -144,37 +145,55 @@ MODEL_CHUNK = 5  # the model's window on the ranks: 2 * world * 5 tokens, in the
 
 def _rank_main(rank, world, port, out_dir):
     torch.set_num_threads(1)
+    parallel.MIN_CHUNK = 1  # let these tiny windows take balanced layouts of more than two chunks per rank
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         group, calls, results = dist.group.WORLD, [], {}
         _record_blocks(calls)
-        attn = RingAttention(group)
-        for i, case in enumerate(CASES):
-            for name, docs in layouts(world, case[3]).items():
-                q, k, v, dout = (zigzag_shard(x.to(case[5]), 2, rank, world) for x in make_inputs(case[:5], world))
-                q, k, v = (x.requires_grad_() for x in (q, k, v))
-                calls.clear()
-                out = ring_attention(q, k, v, group, doc_lens=docs)
-                out.backward(dout)
-                r = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, calls=list(calls))
-                q, k, v = q.detach(), k.detach(), v.detach()
-                out, lse = attn.fwd(q, k, v, docs)  # the keep-attention halves
-                r["halves"] = dict(zip(("out", "dq", "dk", "dv"), (out, *attn.bwd(dout, q, k, v, out, lse, docs))))
-                if name == "whole":
-                    out = ring_attention(*(x.requires_grad_() for x in (q, k, v)), group)
+        for balanced in BALANCED:
+            attn = RingAttention(group, balanced=balanced)
+            for i, case in enumerate(CASES):
+                for name, docs in layouts(world, case[3]).items():
+                    q, k, v, dout = (cp_shard(x.to(case[5]), 2, rank, world, docs, balanced)
+                                     for x in make_inputs(case[:5], world))
+                    q, k, v = (x.requires_grad_() for x in (q, k, v))
+                    calls.clear()
+                    out = ring_attention(q, k, v, group, doc_lens=docs, balanced=balanced)
                     out.backward(dout)
-                    r["plain"] = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
-                results[i, name] = r
+                    r = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, calls=list(calls))
+                    q, k, v = q.detach(), k.detach(), v.detach()
+                    out, lse = attn.fwd(q, k, v, docs)  # the keep-attention halves
+                    r["halves"] = dict(zip(("out", "dq", "dk", "dv"),
+                                           (out, *attn.bwd(dout, q, k, v, out, lse, docs))))
+                    if name == "whole":
+                        out = ring_attention(*(x.requires_grad_() for x in (q, k, v)), group)
+                        out.backward(dout)
+                        r["plain"] = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+                    results[i, name, balanced] = r
         # A packed window through the model, as train.py passes it: tokens, labels and positions sharded,
         # doc_lens of the whole window; recompute with kept attention runs the ring's fwd/bwd halves.
         docs = layouts(world, MODEL_CHUNK)["crossing"]
         m = tiny_model(torch.float64).set_levers(recompute=True, keep_attention=True)
-        m.attn_fn = attn
-        ids, pos, labels = (zigzag_shard(x, 1, rank, world) for x in packed(docs))
+        m.attn_fn = RingAttention(group)
+        ids, pos, labels = (cp_shard(x, 1, rank, world, docs) for x in packed(docs))
         results["model"] = nll_and_grads(m, ids, pos, labels, docs)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fine_chunks():
+    """MIN_CHUNK = 1 here, as in the ranks (_rank_main): tiny windows take balanced layouts of more than two chunks
+    per rank, and the layouts this process derives to gather the ranks' shards are theirs."""
+    def clear():
+        for cached in (parallel.balanced_layout, parallel._doc_blocks, parallel._last_step):
+            cached.cache_clear()
+    old, parallel.MIN_CHUNK = parallel.MIN_CHUNK, 1
+    clear()
+    yield
+    parallel.MIN_CHUNK = old
+    clear()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"cp{w}")
@@ -183,8 +202,11 @@ def ranks(request, tmp_path_factory):
     return world, run_ranks(world, tmp_path_factory.mktemp(f"cp{world}"), main=_rank_main)
 
 
-def gathered(ranks, key, name):
-    return zigzag_unshard([r[key][name] for r in ranks], 2)
+BALANCED = (True, False)  # the balanced layout with a rank's documents in one call; the simple path
+
+
+def gathered(ranks, key, what, docs, balanced):
+    return cp_unshard([r[key][what] for r in ranks], 2, docs, balanced)
 
 
 def test_ring_with_documents_matches_oracle(ranks):
@@ -194,37 +216,52 @@ def test_ring_with_documents_matches_oracle(ranks):
             q, k, v, dout = (x.double().requires_grad_() for x in make_inputs(case[:5], world))
             out = naive_doc_attention(q, k, v, docs)
             want = dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))))
-            for what, ref in want.items():
-                got = gathered(ranks, (i, name), what)
-                assert got.dtype == case[5]
-                torch.testing.assert_close(got.double(), ref, **TOL[case[5]],
-                                           msg=lambda m: f"{what}, {name} {docs}, case {case}, cp {world}: {m}")
-                # the keep-attention halves (fwd, bwd) are the autograd path, bit for bit
-                halves = zigzag_unshard([r[i, name]["halves"][what] for r in ranks], 2)
-                assert torch.equal(halves, got), (what, name, case)
-            if name == "whole":  # one document is today's ring, bit for bit
-                for what in want:
-                    plain = zigzag_unshard([r[i, name]["plain"][what] for r in ranks], 2)
-                    assert torch.equal(plain, gathered(ranks, (i, name), what)), (what, case)
+            for balanced in BALANCED:
+                key = i, name, balanced
+                for what, ref in want.items():
+                    got = gathered(ranks, key, what, docs, balanced)
+                    assert got.dtype == case[5]
+                    torch.testing.assert_close(got.double(), ref, **TOL[case[5]], msg=lambda m: (
+                        f"{what}, {name} {docs}, case {case}, cp {world}, balanced {balanced}: {m}"))
+                    # the keep-attention halves (fwd, bwd) are the autograd path, bit for bit
+                    halves = cp_unshard([r[key]["halves"][what] for r in ranks], 2, docs, balanced)
+                    assert torch.equal(halves, got), (what, name, case)
+                if name == "whole":  # one document is today's ring, bit for bit
+                    for what in want:
+                        plain = cp_unshard([r[key]["plain"][what] for r in ranks], 2)
+                        assert torch.equal(plain, gathered(ranks, key, what, docs, balanced)), (what, case)
+
+
+def block_area(tq, tk, causal):
+    """Query-key pairs one kernel call computes: causal (True), full (False), or causal inside each piece."""
+    if isinstance(causal, tuple):
+        return sum(n * (n + 1) // 2 for n in causal)
+    return tq * (tq + 1) // 2 if causal else tq * tk
 
 
 def test_only_blocks_sharing_a_document_launch(ranks):
-    """Kernel calls per rank, forward and backward: one per (query chunk, key chunk, shared document), none for a
-    pair that shares no document; and together they compute exactly the document mask's query-key pairs."""
+    """Kernel calls per rank, forward and backward. Simple path: one per (query chunk, key chunk, shared document),
+    none for a pair that shares no document. Balanced: the same, but a rank's diagonal pieces are one call. Either
+    way the calls compute exactly the document mask's query-key pairs."""
     world, ranks = ranks
     for i, case in enumerate(CASES):
         for name, docs in layouts(world, case[3]).items():
-            for kind in ("fwd", "bwd"):
-                per_rank = [[c for c in r[i, name]["calls"] if c[0] == kind] for r in ranks]
-                if name == "whole":  # the plain ring: one call per step
-                    assert [len(c) for c in per_rank] == [world] * world
-                    continue
-                want = [expected_calls(docs, rank, world) for rank in range(world)]
-                assert [len(c) for c in per_rank] == want, (kind, name, docs)
-                if name == "chunks":  # only the two diagonal blocks of step 0, on every rank
-                    assert want == [2] * world
-                area = sum(tq * (tq + 1) // 2 if causal else tq * tk for c in per_rank for _, tq, tk, causal in c)
-                assert area == int(doc_mask(docs).sum()), (kind, name)
+            for balanced in BALANCED:
+                for kind in ("fwd", "bwd"):
+                    per_rank = [[c for c in r[i, name, balanced]["calls"] if c[0] == kind] for r in ranks]
+                    if name == "whole":  # the plain ring: one call per step
+                        assert [len(c) for c in per_rank] == [world] * world
+                        continue
+                    if balanced:  # the diagonal first, one call; then one per full block of _doc_blocks
+                        assert all(isinstance(c[0][3], tuple) for c in per_rank)
+                        want = [sum(map(len, parallel._doc_blocks((docs, True), r, world))) for r in range(world)]
+                    else:
+                        want = [expected_calls(docs, rank, world) for rank in range(world)]
+                        if name == "chunks":  # only the two diagonal blocks of step 0, on every rank
+                            assert want == [2] * world
+                    assert [len(c) for c in per_rank] == want, (kind, name, docs, balanced)
+                    area = sum(block_area(*c[1:]) for calls in per_rank for c in calls)
+                    assert area == int(doc_mask(docs).sum()), (kind, name, balanced)
 
 
 def test_model_on_ranks_matches_each_document_alone(ranks, tmp_path):
@@ -234,7 +271,7 @@ def test_model_on_ranks_matches_each_document_alone(ranks, tmp_path):
     docs = layouts(world, MODEL_CHUNK)["crossing"]
     ids, pos, labels = packed(docs)
     ref_nll, ref_grads = alone_in_transformers(tiny_model(torch.float64), ids, labels, docs, tmp_path)
-    nll = zigzag_unshard([r["model"][0] for r in ranks], 0)
+    nll = cp_unshard([r["model"][0] for r in ranks], 0, docs)
     # transformers forms RoPE angles in fp32 (we use float64): ~1e-7 here; a leak across documents is ~1e-2
     torch.testing.assert_close(nll, ref_nll, atol=1e-5, rtol=1e-5)
     grads = {n: sum(r["model"][1][n] for r in ranks) for n in ref_grads}
@@ -250,37 +287,48 @@ def group_of_one():
     dist.destroy_process_group()
 
 
+def block_mask(tq, tk, causal):
+    """[tq, tk] int64: the pairs one block computes (see block_area)."""
+    if isinstance(causal, tuple):
+        return torch.block_diag(*(torch.ones(n, n, dtype=torch.int64).tril() for n in causal))
+    block = torch.ones(tq, tk, dtype=torch.int64)
+    return block.tril() if causal else block
+
+
+@pytest.mark.parametrize("balanced", BALANCED, ids=["balanced", "simple"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_blocks_cover_the_document_mask_once(world):
-    """_doc_blocks of all ranks and steps, placed at their global positions, cover the document mask exactly once,
-    for random layouts; step 0 opens with the causal blocks, which cover each local row once (so every row is
-    written before anything is merged into it), and no other step has one."""
-    chunk = 3
+def test_blocks_cover_the_document_mask_once(world, balanced):
+    """_doc_blocks of all ranks and steps, placed at their global positions (cp_positions: the layout the data is
+    sharded with), cover the document mask exactly once, for random layouts; step 0 opens with the causal blocks,
+    which cover each local row once (so every row is written before anything is merged into it), and no other step
+    has one. No rank has a block after _last_step, and some rank has one there."""
+    chunk = 4
     n, t = 2 * world * chunk, 2 * chunk
     gen = random.Random(world)
-    docs_list = [(1,) * n, (chunk,) * (2 * world)]
+    docs_list = [(1,) * n, (chunk,) * (2 * world), (1, n - 2, 1)]
     for _ in range(30):
         lens = []
         while sum(lens) < n:
             lens.append(min(gen.randint(1, 3 * chunk), n - sum(lens)))
         docs_list.append(tuple(lens))
     for docs in docs_list:
-        covered = torch.zeros(n, n, dtype=torch.int64)
+        covered, key = torch.zeros(n, n, dtype=torch.int64), (docs, balanced)
+        last = parallel._last_step(key, world)
         for rank in range(world):
-            steps = parallel._doc_blocks(docs, rank, world)
-            assert len(steps) == world
-            q_pos = zigzag_positions(n, rank, world)
+            steps = parallel._doc_blocks(key, rank, world)
+            assert len(steps) == world and not any(steps[last + 1:])
+            q_pos = cp_positions(n, rank, world, docs, balanced)
             for i, blocks in enumerate(steps):
-                k_pos = zigzag_positions(n, (rank - i) % world, world)
+                k_pos = cp_positions(n, (rank - i) % world, world, docs, balanced)
                 for rows, cols, causal in blocks:
                     qp, kp = q_pos[rows], k_pos[cols]
                     assert len(qp) and len(kp)
-                    block = torch.ones(len(qp), len(kp), dtype=torch.int64)
-                    covered[qp[:, None], kp[None, :]] += block.tril() if causal else block
-            flags = [causal for _, _, causal in steps[0]]
+                    covered[qp[:, None], kp[None, :]] += block_mask(len(qp), len(kp), causal)
+            flags = [bool(causal) for _, _, causal in steps[0]]
             assert flags == sorted(flags, reverse=True) and not any(c for s in steps[1:] for _, _, c in s)
             rows = torch.cat([torch.arange(t)[r] for r, c, causal in steps[0] if causal])
             assert torch.equal(rows.sort().values, torch.arange(t)), docs
+        assert any(parallel._doc_blocks(key, r, world)[last] for r in range(world))
         torch.testing.assert_close(covered, doc_mask(docs).long(), msg=lambda m: f"{docs}, cp {world}: {m}")
 
 
@@ -362,9 +410,9 @@ def cuda_backends():
 @pytest.mark.gpu
 def test_document_ring_of_one_on_cuda(group_of_one):
     q, k, v, dout = cuda_inputs()
-    for backend in cuda_backends():
+    for backend, balanced in itertools.product(cuda_backends(), BALANCED):
         ref, floor = cuda_oracle_and_floor(q, k, v, dout, backend)
-        attn = RingAttention(group_of_one, backend=backend)
+        attn = RingAttention(group_of_one, backend, balanced)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         out = attn(*leaves, GPU_DOCS)
         out.backward(dout)
@@ -372,21 +420,24 @@ def test_document_ring_of_one_on_cuda(group_of_one):
         out2, lse2 = attn.fwd(q, k, v, GPU_DOCS)
         got2 = dict(zip(("dq", "dk", "dv"), attn.bwd(dout, q, k, v, out2, lse2, GPU_DOCS)), out=out2)
         for n in ref:
-            assert got[n].dtype == torch.bfloat16 and rel(got[n], ref[n]) <= 3 * floor[n], (backend, n)
-            assert rel(got2[n], ref[n]) <= 3 * floor[n], (backend, n)
+            assert got[n].dtype == torch.bfloat16 and rel(got[n], ref[n]) <= 3 * floor[n], (backend, balanced, n)
+            assert rel(got2[n], ref[n]) <= 3 * floor[n], (backend, balanced, n)
 
 
 def _cuda_rank_main(rank, world, port, out_dir):
     torch.cuda.set_device(rank)
+    parallel.MIN_CHUNK = 1  # as in the parent (fine_chunks)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {}
-        for backend in cuda_backends():
-            q, k, v, dout = (zigzag_shard(x.transpose(1, 2), 1, rank, world).transpose(1, 2) for x in cuda_inputs())
+        for backend, balanced in itertools.product(cuda_backends(), BALANCED):
+            q, k, v, dout = (cp_shard(x.transpose(1, 2), 1, rank, world, GPU_DOCS, balanced).transpose(1, 2)
+                             for x in cuda_inputs())
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            out = ring_attention(q, k, v, dist.group.WORLD, backend=backend, doc_lens=GPU_DOCS)
+            out = ring_attention(q, k, v, dist.group.WORLD, backend, GPU_DOCS, balanced)
             out.backward(dout)
-            results[backend] = {n: t.detach().cpu() for n, t in dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad).items()}
+            results[backend, balanced] = {n: t.detach().cpu()
+                                          for n, t in dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad).items()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -398,11 +449,11 @@ def test_document_ring_cp2_over_nccl(tmp_path):
     mp.start_processes(_cuda_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     q, k, v, dout = cuda_inputs()
-    for backend in cuda_backends():
+    for backend, balanced in itertools.product(cuda_backends(), BALANCED):
         ref, floor = cuda_oracle_and_floor(q, k, v, dout, backend)
         for n in ref:
-            got = zigzag_unshard([r[backend][n] for r in ranks], 2).cuda()
-            assert rel(got, ref[n]) <= 3 * floor[n], (backend, n, rel(got, ref[n]), floor[n])
+            got = cp_unshard([r[backend, balanced][n] for r in ranks], 2, GPU_DOCS, balanced).cuda()
+            assert rel(got, ref[n]) <= 3 * floor[n], (backend, balanced, n, rel(got, ref[n]), floor[n])
 
 
 def test_short_pieces_leave_cudnn(monkeypatch):

@@ -152,7 +152,7 @@ def _rank_main(rank, world, port, out_dir):
         results = []
         for case in RING_CASES:
             q, k, v, dout = (x.transpose(1, 2) for x in make_inputs(case, seed=3))  # [B, T, H, D] memory
-            q, k, v, dout = (parallel.zigzag_shard(x, 1, rank, world).transpose(1, 2) for x in (q, k, v, dout))
+            q, k, v, dout = (parallel.cp_shard(x, 1, rank, world).transpose(1, 2) for x in (q, k, v, dout))
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
             out = parallel.ring_attention(q, k, v, dist.group.WORLD, backend="fa4")
             out.backward(dout)
@@ -171,6 +171,6 @@ def test_ring_cp2_over_nccl_with_fa4_matches_the_whole_sequence(tmp_path):
         ref = oracle(q, k, v, dout, True)
         cudnn = kernel(q, k, v, dout, True, "cudnn")
         for name in ("out", "dq", "dk", "dv"):
-            got = parallel.zigzag_unshard([r[i][name] for r in ranks], 2).cuda()
+            got = parallel.cp_unshard([r[i][name] for r in ranks], 2).cuda()
             floor = max(rel(ref[name].to(torch.bfloat16), ref[name]), rel(cudnn[name], ref[name]))
             assert rel(got, ref[name]) <= 3 * floor, f"{name}, case {case}: {rel(got, ref[name]):.2e} vs {floor:.2e}"

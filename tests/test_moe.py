@@ -19,7 +19,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 import model as M
 from model import Qwen3, Qwen3Config
-from parallel import RingAttention, zigzag_shard
+from parallel import RingAttention, cp_shard
 from test_fa4 import rel
 from test_loss import LargestTensor
 from test_model import group_of_one, levers_change_nothing, loss_and_grads  # noqa: F401 (a fixture)
@@ -270,7 +270,7 @@ def _rank_main(rank, world, port, out_dir):
         m = cp_model().set_levers(recompute=True, keep_attention=True, mlp_tile=3)
         m.attn_fn = RingAttention(dist.group.WORLD)
         m.cp_sum = functools.partial(dist.all_reduce, group=dist.group.WORLD)
-        ids, pos, labels = (zigzag_shard(x, 1, rank, world) for x in cp_inputs())
+        ids, pos, labels = (cp_shard(x, 1, rank, world) for x in cp_inputs())
         s, n = m(ids, pos, labels, loss_chunk=4)
         s.backward()
         torch.save((s.detach(), {k: p.grad for k, p in m.named_parameters()}), Path(out_dir) / f"rank{rank}.pt")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import parallel
-from parallel import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+from parallel import ring_attention, cp_positions, cp_shard, cp_unshard
 
 # (batch, q heads, kv heads, chunk length, head_dim); the total length is 2 * world * chunk
 CASES = [
@@ -46,16 +46,24 @@ def make_inputs(case, world):
 # --- the ranks ---
 
 def _record_blocks(calls):
-    """Wrap the kernel pair so that each call's (kind, query rows, key rows, causal) is recorded."""
-    fwd, bwd = parallel._attn_fwd, parallel._attn_bwd
+    """Wrap the kernel pair so that each call's (kind, query rows, key rows, causal) is recorded; a call made inside
+    another (the per-piece calls of a pieces block without FA4) is not."""
+    fwd, bwd, depth = parallel._attn_fwd, parallel._attn_bwd, [0]
+
+    def recorded(kind, fn, q, k, causal, *args, **kwargs):
+        if not depth[0]:
+            calls.append((kind, q.shape[2], k.shape[2], causal))
+        depth[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
 
     def rec_fwd(q, k, v, causal, *args, **kwargs):
-        calls.append(("fwd", q.shape[2], k.shape[2], causal))
-        return fwd(q, k, v, causal, *args, **kwargs)
+        return recorded("fwd", fwd, q, k, causal, q, k, v, causal, *args, **kwargs)
 
     def rec_bwd(dout, q, k, v, out, lse, causal, *args, **kwargs):
-        calls.append(("bwd", q.shape[2], k.shape[2], causal))
-        return bwd(dout, q, k, v, out, lse, causal, *args, **kwargs)
+        return recorded("bwd", bwd, q, k, causal, dout, q, k, v, out, lse, causal, *args, **kwargs)
 
     parallel._attn_fwd, parallel._attn_bwd = rec_fwd, rec_bwd
 
@@ -68,7 +76,7 @@ def _rank_main(rank, world, port, out_dir):
         _record_blocks(calls)
         for case in CASES:
             calls.clear()
-            q, k, v, dout = (zigzag_shard(x, 2, rank, world) for x in make_inputs(case, world))
+            q, k, v, dout = (cp_shard(x, 2, rank, world) for x in make_inputs(case, world))
             q, k, v = (x.requires_grad_() for x in (q, k, v))
             out = ring_attention(q, k, v, dist.group.WORLD)
             out.backward(dout)
@@ -112,7 +120,7 @@ def test_ring_attention_matches_oracle(world, tmp_path):
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
         want = dict(out=out, dq=dq, dk=dk, dv=dv)
         for name, ref in want.items():
-            got = zigzag_unshard([r[i][name] for r in ranks], 2)
+            got = cp_unshard([r[i][name] for r in ranks], 2)
             assert got.dtype == torch.float32
             torch.testing.assert_close(got.double(), ref.detach(), atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{name}, case {case}, world {world}: {m}")
@@ -135,11 +143,11 @@ def test_schedule_covers_causal_mask_once(world):
     seq, t = 2 * world * chunk, 2 * chunk
     covered = torch.zeros(seq, seq, dtype=torch.int64)
     for rank in range(world):
-        q_pos = zigzag_positions(seq, rank, world)
+        q_pos = cp_positions(seq, rank, world)
         for step in range(world):
             src = (rank - step) % world
             rows, cols, causal = parallel._visible_part(rank, src, t)
-            qp, kp = q_pos[rows], zigzag_positions(seq, src, world)[cols]
+            qp, kp = q_pos[rows], cp_positions(seq, src, world)[cols]
             block = torch.ones(len(qp), len(kp), dtype=torch.int64)
             if causal:  # the kernels' causal mask: local query i sees local keys 0..i
                 block = block.tril()
@@ -168,24 +176,24 @@ def test_backward_over_head_groups_matches_oracle(heads_per_call):
 def test_zigzag_round_trip_and_positions():
     x = torch.randn(3, 5, 84, 2)  # 84 = 2*cp * (42, 21, 14) for cp 1, 2, 3
     for world in (1, 2, 3):
-        shards = [zigzag_shard(x, 2, r, world) for r in range(world)]
+        shards = [cp_shard(x, 2, r, world) for r in range(world)]
         assert all(s.shape == (3, 5, 84 // world, 2) and s.is_contiguous() for s in shards)
-        torch.testing.assert_close(zigzag_unshard(shards, 2), x, atol=0, rtol=0)
+        torch.testing.assert_close(cp_unshard(shards, 2), x, atol=0, rtol=0)
         for r in range(world):
-            pos = zigzag_positions(x.shape[2], r, world)
+            pos = cp_positions(x.shape[2], r, world)
             assert pos.dtype == torch.int64
-            torch.testing.assert_close(pos, zigzag_shard(torch.arange(x.shape[2]), 0, r, world))
+            torch.testing.assert_close(pos, cp_shard(torch.arange(x.shape[2]), 0, r, world))
             torch.testing.assert_close(shards[r], x[:, :, pos], atol=0, rtol=0)
     # world 2, 8 tokens: chunks of 2, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    assert zigzag_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
-    assert zigzag_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert cp_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert cp_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
 
 
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="divisible by 2\\*cp=8"):
-        zigzag_shard(torch.zeros(1, 12), 1, 0, 4)
+        cp_shard(torch.zeros(1, 12), 1, 0, 4)
     with pytest.raises(ValueError, match="divisible by 2\\*cp=4"):
-        zigzag_positions(10, 0, 2)
+        cp_positions(10, 0, 2)
     q, kv = torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8)
     bad = {
         "must be even": (torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)),

@@ -397,10 +397,12 @@ class SparseMoE(nn.Module):
         """x [B, T, H] -> (y [B, T, H], counts [E], prob_sums [E]) (moe_rows); value_is_read as for MLP."""
         rows = x.reshape(-1, x.shape[-1])                                        # [B*T, H]
         ws = (self.gate.weight, self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
-        if self.tile and rows.shape[0] > self.tile:
-            y, counts, prob_sums = _TiledMoE.apply(rows, self.tile, value_is_read, self.top_k, self.norm_topk_prob, *ws)
-        else:
-            y, counts, prob_sums = moe_rows(rows, *ws, self.top_k, self.norm_topk_prob)
+        with torch.profiler.record_function("moe"):  # named in profiles (bench/profile_step.py: "experts")
+            if self.tile and rows.shape[0] > self.tile:
+                y, counts, prob_sums = _TiledMoE.apply(rows, self.tile, value_is_read, self.top_k, self.norm_topk_prob,
+                                                       *ws)
+            else:
+                y, counts, prob_sums = moe_rows(rows, *ws, self.top_k, self.norm_topk_prob)
         return y.view(x.shape), counts, prob_sums
 
 
@@ -862,6 +864,11 @@ class _TiledMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, _, dprob_sums):
+        with torch.profiler.record_function("moe"):
+            return _TiledMoE._backward(ctx, dy, dprob_sums)
+
+    @staticmethod
+    def _backward(ctx, dy, dprob_sums):
         x, *ws = ctx.saved_tensors
         dx = torch.empty_like(x)
         acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in ws]

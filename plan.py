@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import parallel
 from model import Qwen3Config, pinned_size
 
 
@@ -76,6 +77,9 @@ class Shape:
     top_k: int = 0
     moe_intermediate: int = 0
     sparse_layers: int = 0
+    # Packed documents: the busiest rank's share of the attention a full causal window gives it (document_area);
+    # 1 for one sequence. Attention's time scales with it; nothing else does.
+    attn_area: float = 1.0
 
     @classmethod
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
@@ -166,10 +170,34 @@ def useful_flops(s: Shape) -> float:
 
 
 def attention_flops(s: Shape, lv: Levers) -> float:
-    """Attention FLOPs one rank runs in a step: forward, backward (2.5x), and the forward again in the blocks that
-    recompute it."""
+    """Attention FLOPs the busiest rank runs in a step: forward, backward (2.5x), and the forward again in the
+    blocks that recompute it; with packed documents, only the mask's area (attn_area)."""
     recomputed = (s.layers - lv.keep_attention_layers) / s.layers
-    return attention_fwd_flops(s) / s.cp * (1 + 2.5 + recomputed)
+    return attention_fwd_flops(s) / s.cp * (1 + 2.5 + recomputed) * s.attn_area
+
+
+def document_area(doc_lens, cp, balanced=True) -> float:
+    """Shape.attn_area of a window of documents (their lengths, in order) over cp ranks sharded as train.py shards
+    it (parallel.cp_layout): the busiest rank's area of the document mask over its share of the full triangle."""
+    t = sum(doc_lens)
+    layout = parallel.cp_layout(cp, tuple(doc_lens), balanced)
+    areas = parallel.chunk_areas(doc_lens, cp * len(layout[0]))
+    return max(sum(areas[j] for j in held) for held in layout) / (t * (t + 1) / 2 / cp)
+
+
+def parse_doc_lens(text: str) -> tuple:
+    """'65536,65536' or '4x65536' or '2x8192,16384' -> a tuple of document lengths."""
+    try:
+        out = []
+        for item in text.split(","):
+            n, _, length = item.strip().rpartition("x")
+            out += [int(length)] * int(n or 1)
+    except ValueError:
+        raise ValueError(f"--doc_lens {text!r}: want lengths separated by commas, each LENGTH or COUNTxLENGTH, "
+                         "e.g. 4x65536 or 8192,16384") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"--doc_lens {text!r}: document lengths must be positive")
+    return tuple(out)
 
 
 def gemm_flops(s: Shape) -> float:
@@ -313,10 +341,21 @@ if __name__ == "__main__":
     ap.add_argument("--attn_backend", default="cudnn", choices=sorted(FITTED.attn_tflops), help="the kernels timed")
     ap.add_argument("--gpu_mem_gib", type=float, default=74.5, help="per GPU (80 GB = 74.5 GiB)")
     ap.add_argument("--host_mem_gib", type=float, default=1907, help="per node (2 TB = 1907 GiB)")
+    ap.add_argument("--doc_lens", default="", help="a packed window's documents (e.g. 4x65536 or 8192,16384,...): "
+                    "time its masked attention (balanced as train.py shards it); default one sequence")
     a = ap.parse_args()
     world = a.nproc * a.nodes
     s = Shape.of(Qwen3Config.from_pretrained(a.model), a.seq_len, a.cp or world, world, a.nproc,
                  param_bytes=4 if a.param_dtype == "float32" else 2, attn_backend=a.attn_backend)
+    try:
+        if a.doc_lens:
+            docs = parse_doc_lens(a.doc_lens)
+            if sum(docs) != a.seq_len:
+                raise ValueError(f"--doc_lens sum to {sum(docs)}, not to --seq_len {a.seq_len}")
+            s = replace(s, attn_area=document_area(docs, s.cp))
+            print(f"documents: {len(docs)}, attention area {s.attn_area:.4f} of a full causal window's (busiest rank)")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     try:
         lv, c = choose(s, a.gpu_mem_gib, a.host_mem_gib)
         print(describe(lv, c, s))

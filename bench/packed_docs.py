@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+PLAN = re.compile(r"offload_layers (\d+)/\d+, keep_attention_layers (\d+)/\d+")
 import data  # noqa: E402
 
 WORDS = [w for w in "the of and to in a is that for it as was with be by on not he this are or his from at which "
@@ -82,10 +84,12 @@ def run(a, name, flags):
         return dict(name=name, error=p.stderr.strip().splitlines()[-1][:300] if p.stderr.strip() else "failed")
     rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     timed = rows[1:] or rows
+    levers = PLAN.search(p.stdout)  # --fit auto's choice, printed before step 1
     return dict(name=name, s_per_step=statistics.median(r["step_time_s"] for r in timed),
                 first_step_s=rows[0]["step_time_s"], peak_mem_gib=max(r["peak_mem_gib"] for r in rows),
                 pad_share=rows[-1].get("pad_share"), untrained_share=rows[-1].get("untrained_share"),
-                docs_per_window=rows[-1].get("docs"), losses=[r["loss"] for r in rows])
+                docs_per_window=rows[-1].get("docs"), attn_area=[r.get("attn_area", 1.0) for r in timed],
+                levers=[int(x) for x in levers.groups()] if levers else None, losses=[r["loss"] for r in rows])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ history (what is alive at the step's peak, grouped by the line of our code that 
 
 Kinds of kernel, by name: attention (cuDNN/flash SDPA), matmul (cuBLAS/CUTLASS GEMMs), optimizer (fused AdamW),
 copy (host<->device and device copies), loss (any kernel launched inside the `chunked_nll` range, matmuls
-included), other (elementwise, norms, reductions). Writes summary.json next to the trace.
+included), experts (any kernel launched inside a Qwen3-MoE block's `moe` range: router, permutation, grouped GEMMs),
+other (elementwise, norms, reductions). Writes summary.json next to the trace.
 """
 import argparse
 import collections
@@ -24,6 +25,7 @@ from train_steps import run_one  # noqa: E402
 
 KINDS = [("attention", r"sdpa|fmha|flash|attention|cudnn"), ("optimizer", r"adam|multi_tensor"),
          ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_.*tn|splitk")]
+RANGES = {"chunked_nll": "loss", "moe": "experts"}  # record_function names in model.py -> kind of their kernels
 OUR_FILES = ("model.py", "loss.py", "parallel.py", "train.py")
 
 
@@ -40,9 +42,9 @@ def summarise_trace(path):
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
         events = json.load(fh)["traceEvents"]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    # kernels launched inside the loss's range: match each kernel to its launch (same correlation id) on the CPU
-    loss_ranges = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
-                   if e.get("ph") == "X" and e.get("name") == "chunked_nll" and e.get("cat") == "user_annotation"]
+    # kernels launched inside a named range: match each kernel to its launch (same correlation id) on the CPU
+    ranges = [(RANGES[e["name"]], e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("ph") == "X" and e.get("name") in RANGES and e.get("cat") == "user_annotation"]
     launch_ts = {e["args"]["correlation"]: e["ts"] for e in events  # runtime and driver API launches (Triton, cuBLAS)
                  if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
                  and "correlation" in e.get("args", {})}
@@ -52,10 +54,9 @@ def summarise_trace(path):
         t = launch_ts.get(k.get("args", {}).get("correlation"))
         if k["cat"] != "kernel":
             kind = "copy"
-        elif t is not None and any(s <= t <= e for s, e, _ in loss_ranges):
-            kind = "loss"
         else:
-            kind = next((kd for kd, pat in KINDS if re.search(pat, name, re.I)), "other")
+            kind = next((kd for kd, s, e in ranges if t is not None and s <= t <= e), None) or next(
+                (kd for kd, pat in KINDS if re.search(pat, name, re.I)), "other")
         by_kind[kind] += k["dur"]
         by_name[(kind, name[:90])] += k["dur"]
     compute = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if k["cat"] == "kernel"]

@@ -4,7 +4,8 @@
     python bench/ring_sim.py --small    # any machine: a tiny fp32 shape on CPU, exercises every code path
 
 One process plays all cp ranks. Rank r's ring steps call parallel._fwd_block and parallel._bwd_block on the
-block parallel._visible_part gives, as the real ring does, with the K/V that rank r would hold at step i (rank
+blocks parallel._ring_blocks gives, as the real ring does (bench/doc_balance.py times them per rank under document
+masks), with the K/V that rank r would hold at step i (rank
 r - i's shard) taken by slicing instead of being received, and each block's dK/dV added into the source rank's
 fp32 buffer instead of travelling.
 The gathered output and dq/dk/dv are compared with one causal F.scaled_dot_product_attention call (enable_gqa,
@@ -25,36 +26,52 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parallel import (_attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _visible_part, cp_shard,  # noqa: E402
-                      cp_unshard)
+from parallel import (_acc, _attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _last_step, _ring_blocks,  # noqa: E402
+                      cp_shard, cp_unshard)
 
 
-def ring_forward(qs, ks, vs):
-    """Every rank's ring forward. qs[r] [B, Hq, T, D], ks[r]/vs[r] [B, Hkv, T, D] -> [(out in q.dtype, lse)]."""
-    cp, res = len(qs), []
-    for r in range(cp):
-        out = lse = None
-        for i in range(cp):
-            src = (r - i) % cp  # the K/V rank r holds at step i
-            out, lse = _fwd_block(qs[r], ks[src], vs[src], out, lse, _visible_part(r, src, qs[r].shape[2]))
-        res.append((out.to(qs[r].dtype), lse))
-    return res
+def rank_forward(qs, ks, vs, r, docs=None, backend="auto"):
+    """Rank r's ring forward, as parallel._ring_fwd runs it: its blocks (parallel._ring_blocks) at each step up to
+    parallel._last_step, with the K/V of rank r - i at step i. docs: None (one sequence) or (doc_lens, balanced).
+    -> (out in q.dtype, lse)."""
+    cp, q = len(qs), qs[r]
+    steps = _ring_blocks(docs, r, cp, q.shape[2])
+    out = lse = None
+    if docs is not None and not docs[1]:  # the simple path: pieces write rows of buffers
+        out, lse = torch.empty_like(q, dtype=_acc(q)), q.new_empty(q.shape[:3], dtype=_acc(q))
+    for i in range(_last_step(docs, cp) + 1):
+        src = (r - i) % cp
+        for block in steps[i]:
+            out, lse = _fwd_block(q, ks[src], vs[src], out, lse, block, backend)
+    return out.to(q.dtype), lse
 
 
-def ring_backward(douts, qs, ks, vs, fwd):
-    """Every rank's ring backward from the final (out, lse) of ring_forward -> fp32 dq, dk, dv per rank."""
-    cp = len(qs)
-    dqs = [torch.zeros_like(q, dtype=torch.float32) for q in qs]
-    dks = [torch.zeros_like(k, dtype=torch.float32) for k in ks]
-    dvs = [torch.zeros_like(v, dtype=torch.float32) for v in vs]
-    for r in range(cp):
-        out, lse = fwd[r]
-        for i in range(cp):
-            src = (r - i) % cp
-            block = _visible_part(r, src, qs[r].shape[2])
-            cols, dk_b, dv_b = _bwd_block(douts[r], qs[r], ks[src], vs[src], out, lse, dqs[r], block)
-            dks[src][:, :, cols] += dk_b  # in the real ring this buffer travels back to src
+def rank_backward(douts, qs, ks, vs, fwd_r, r, dks, dvs, docs=None, backend="auto"):
+    """Rank r's ring backward from its (out, lse): returns its fp32 dq and adds each block's dK/dV into the source
+    rank's fp32 buffer in dks/dvs (in the real ring those buffers travel back to their owner)."""
+    cp, q = len(qs), qs[r]
+    steps = _ring_blocks(docs, r, cp, q.shape[2])
+    out, lse = fwd_r
+    dq = torch.zeros_like(q, dtype=_acc(q))
+    for i in range(_last_step(docs, cp) + 1):
+        src = (r - i) % cp
+        for block in steps[i]:
+            cols, dk_b, dv_b = _bwd_block(douts[r], q, ks[src], vs[src], out, lse, dq, block, backend)
+            dks[src][:, :, cols] += dk_b
             dvs[src][:, :, cols] += dv_b
+    return dq
+
+
+def ring_forward(qs, ks, vs, docs=None, backend="auto"):
+    """Every rank's ring forward. qs[r] [B, Hq, T, D], ks[r]/vs[r] [B, Hkv, T, D] -> [(out in q.dtype, lse)]."""
+    return [rank_forward(qs, ks, vs, r, docs, backend) for r in range(len(qs))]
+
+
+def ring_backward(douts, qs, ks, vs, fwd, docs=None, backend="auto"):
+    """Every rank's ring backward from the final (out, lse) of ring_forward -> fp32 dq, dk, dv per rank."""
+    dks = [torch.zeros_like(k, dtype=_acc(k)) for k in ks]
+    dvs = [torch.zeros_like(v, dtype=_acc(v)) for v in vs]
+    dqs = [rank_backward(douts, qs, ks, vs, fwd[r], r, dks, dvs, docs, backend) for r in range(len(qs))]
     return dqs, dks, dvs
 
 

@@ -42,11 +42,14 @@ class Constants:
     other_s_per_mtoken_layer: float     # seconds per layer per million tokens on the rank, for everything else
     work_bytes_per_token_hidden: float  # the working set of a block's recompute and backward, per token per hidden
     ring_bytes_per_token_qdim: float    # with cp > 1: the ring's fp32 output and dq accumulators (8) and K/V in flight
+    moe_s_per_mslot_layer: float = 0.0  # Qwen3-MoE: seconds per million routed (token, expert) pairs per sparse layer
+                                        # beyond the experts' GEMM FLOPs: routing, permutation, gathers, tile sums
 
 
-FITTED = Constants(attn_tflops=dict(cudnn=527.6, fa4=610.2),  # kernel benchmark: cuDNN 539-555, FA4 621-622
+FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0),  # kernel benchmark: cuDNN 539-555, FA4 621-622
                    gemm_tflops=641.3,                           # profile: ~700
-                   other_s_per_mtoken_layer=0.098, work_bytes_per_token_hidden=28.5, ring_bytes_per_token_qdim=8.42)
+                   other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=29.0, ring_bytes_per_token_qdim=7.95,
+                   moe_s_per_mslot_layer=0.145)                 # two runs of one shape (bench/NOTES.md)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
@@ -248,9 +251,14 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     return state + max(grads, on_gpu) + loss + work + mlp + moe
 
 
+def routed_slots(s: Shape) -> int:
+    """(token, expert) pairs a step routes on a rank, over the sparse layers: 0 for a dense model."""
+    return s.sparse_layers * s.tokens * s.top_k
+
+
 def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     return (attention_flops(s, lv) / (k.attn_tflops[s.attn_backend] * 1e12) + gemm_flops(s) / (k.gemm_tflops * 1e12)
-            + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6)
+            + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6)
 
 
 def predict(s: Shape, lv: Levers, k: Constants = FITTED) -> Cost:

@@ -792,11 +792,13 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, log, lock) -> 
                 f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps}, without a jump (to warm up again, start "
                 "a new run from an export: --model SAVE_DIR)")
     n_params, pbytes = sum(math.prod(x) for x in s.shapes.values()), getattr(torch, cfg.param_dtype).itemsize
-    needs = [(cfg.out_dir, "--out_dir", "a checkpoint", 3 * n_params * pbytes)]  # weights and two AdamW states
+    ckpt_bytes = 3 * n_params * pbytes if cfg.checkpoints else 0  # weights and two AdamW states
+    needs = [(cfg.out_dir, "--out_dir", "a checkpoint", ckpt_bytes)]  # with --checkpoints false: writable, no size
     if cfg.save_dir:
         needs.append((cfg.save_dir, "--save_dir", "the exported model", n_params * pbytes))
     on_rank0(lambda: rundir.check_outputs(needs))
-    log(f"outputs: a checkpoint is about {rundir.human_bytes(3 * n_params * pbytes)}; {cfg.keep_checkpoints} kept")
+    if cfg.checkpoints:
+        log(f"outputs: a checkpoint is about {rundir.human_bytes(ckpt_bytes)}; {cfg.keep_checkpoints} kept")
     dp = world // cp
     launch = dict(started=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                   host=socket.gethostname(), world=world, cp=cp, from_step=done, changes=changes, lr_anchor=anchor)

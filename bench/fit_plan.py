@@ -21,22 +21,30 @@ import plan  # noqa: E402
 from model import Qwen3Config  # noqa: E402
 
 FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json",
-             "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json")
+             "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json", "plan_check_moe.json")
 CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check_8b_524k.json",  # never fitted: see check()
-               "plan_check_8b_1gpu_sr.json")
+               "plan_check_8b_1gpu_sr.json", "plan_check_moe_check.json", "doc_balance_steps_1gpu.json")
 
 
 def measured_runs(files, root=os.path.join(ROOT, "bench")):
     """[(Shape, Levers, s/step, peak GiB, name)] of the runs in bench/results/<files>. A run names its levers
-    (offload_layers, keep_attention_layers); older files without them offloaded every block and kept attention
-    unless their flags said otherwise (each of these fallbacks is still needed by a file above)."""
+    (offload_layers, keep_attention_layers, or levers: [both]); older files without them offloaded every block and
+    kept attention unless their flags said otherwise (each of these fallbacks is still needed by a file above).
+    A file that is a dict gives its runs its model, seq_len, backend and nproc (= cp) unless a run has its own;
+    a run of packed documents gives its attn_area (bench/doc_balance.py: one per timed step)."""
     runs = []
     for f in files:
         path = os.path.join(root, "results", f)
         if not os.path.exists(path):
             continue
         data = json.load(open(path))
+        common = {k: data[k] for k in ("model", "seq_len", "backend") if isinstance(data, dict) and k in data}
+        if isinstance(data, dict) and "nproc" in data:
+            common.update(cp=data["nproc"], world=data["nproc"])
         for r in data["runs"] if isinstance(data, dict) else data:
+            if "error" in r:
+                continue
+            r = {**common, **dict(zip(("offload_layers", "keep_attention_layers"), r.get("levers") or ())), **r}
             mcfg = Qwen3Config.from_pretrained(os.path.join(root, "configs", r["model"]))
             extra = r.get("extra", "")
             fp32 = "float32" in extra or r.get("param_dtype") == "float32"
@@ -44,10 +52,13 @@ def measured_runs(files, root=os.path.join(ROOT, "bench")):
             cp = r.get("cp", 1)
             s = plan.Shape.of(mcfg, r["seq_len"], cp, r.get("world", cp), 1, param_bytes=4 if fp32 else 2,
                               attn_backend=backend)
+            area = r.get("attn_area", 1.0)
+            s = replace(s, attn_area=sum(area) / len(area) if isinstance(area, list) else area)
             lv = plan.Levers(r.get("offload_layers", s.layers),
                              r.get("keep_attention_layers", 0 if "keep_attention false" in extra else s.layers))
             name = (f"{r['model']} {r['seq_len']} cp{cp}{' dp' + str(s.world // cp) if s.world > cp else ''} "
-                    f"{'fp32' if fp32 else 'bf16'} {backend} off {lv.offload_layers} keep {lv.keep_attention_layers}")
+                    f"{'fp32' if fp32 else 'bf16'} {backend} off {lv.offload_layers} keep {lv.keep_attention_layers}"
+                    + (f" {r['name']}" if "name" in r else ""))
             runs.append((s, lv, r["s_per_step"], r["peak_mem_gib"], name))
     return runs
 
@@ -59,18 +70,22 @@ def solve(runs, k: plan.Constants = plan.FITTED) -> plan.Constants:
     for s, lv, t, mem, _ in runs:
         attn = plan.attention_flops(s, lv) / 1e12
         A.append(np.array([attn * (b == s.attn_backend) for b in backends]
-                          + [plan.gemm_flops(s) / 1e12, s.layers * s.tokens / 1e6]) / t)
+                          + [plan.gemm_flops(s) / 1e12, s.layers * s.tokens / 1e6, plan.routed_slots(s) / 1e6]) / t)
         # gpu_bytes is linear in the two working sets: what it counts without them is known
         per_constant = np.array([s.tokens * s.hidden, s.tokens * s.heads * s.head_dim * (s.cp > 1)])
         known = plan.gpu_bytes(s, lv, replace(k, work_bytes_per_token_hidden=0, ring_bytes_per_token_qdim=0))
         B.append(per_constant / (mem * 2**30))
         z.append(1 - known / (mem * 2**30))
-    x = np.linalg.lstsq(np.array(A), np.ones(len(A)), rcond=None)[0]
+    moe = any(plan.routed_slots(s) for s, *_ in runs)
+    A = np.array(A)[:, :None if moe else -1]  # no MoE run: the routing term keeps its value from k
+    x = np.linalg.lstsq(A, np.ones(len(A)), rcond=None)[0]
     w = np.linalg.lstsq(np.array(B), np.array(z), rcond=None)[0]
+    n = len(backends)
     return plan.Constants(
         attn_tflops={**k.attn_tflops, **{b: round(1 / float(x[i]), 1) for i, b in enumerate(backends)}},
-        gemm_tflops=round(1 / float(x[-2]), 1), other_s_per_mtoken_layer=round(float(x[-1]), 3),
-        work_bytes_per_token_hidden=round(float(w[0]), 1), ring_bytes_per_token_qdim=round(float(w[1]), 2))
+        gemm_tflops=round(1 / float(x[n]), 1), other_s_per_mtoken_layer=round(float(x[n + 1]), 3),
+        work_bytes_per_token_hidden=round(float(w[0]), 1), ring_bytes_per_token_qdim=round(float(w[1]), 2),
+        moe_s_per_mslot_layer=round(float(x[n + 2]), 3) if moe else k.moe_s_per_mslot_layer)
 
 
 def errors(runs, k: plan.Constants = plan.FITTED):

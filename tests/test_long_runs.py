@@ -267,6 +267,10 @@ def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
     lines = error_lines(p)
     assert p.returncode != 0 and "MiB free on its disk, but a checkpoint needs about" in lines[0], lines
     assert not (small_disk / "run" / "metrics.jsonl").exists()
+    # a run that writes no checkpoint needs no room for one (its logs are small)
+    p = launch(2, small_disk / "run", "--max_steps", "2", "--checkpoints", "false")
+    assert p.returncode == 0, error_lines(p)
+    assert len((small_disk / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 def test_the_export_is_whole_and_carries_the_run_tokenizer(tmp_path):

@@ -42,14 +42,17 @@ class Constants:
     other_s_per_mtoken_layer: float     # seconds per layer per million tokens on the rank, for everything else
     work_bytes_per_token_hidden: float  # the working set of a block's recompute and backward, per token per hidden
     ring_bytes_per_token_qdim: float    # with cp > 1: the ring's fp32 output and dq accumulators (8) and K/V in flight
+    sr_s_per_gparam: float = 0.0        # seconds per billion parameters on the rank for the stochastic-rounding AdamW
+                                        # step (optim.py: elementwise kernels and random bits in chunks; fused fp32
+                                        # AdamW's step is within the fit's other terms)
     moe_s_per_mslot_layer: float = 0.0  # Qwen3-MoE: seconds per million routed (token, expert) pairs per sparse layer
                                         # beyond the experts' GEMM FLOPs: routing, permutation, gathers, tile sums
 
 
 FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0),  # kernel benchmark: cuDNN 539-555, FA4 621-622
                    gemm_tflops=641.3,                           # profile: ~700
-                   other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=29.0, ring_bytes_per_token_qdim=7.95,
-                   moe_s_per_mslot_layer=0.145)                 # two runs of one shape (bench/NOTES.md)
+                   other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=29.0, ring_bytes_per_token_qdim=7.93,
+                   sr_s_per_gparam=0.1, moe_s_per_mslot_layer=0.081)  # these two: three MoE runs (bench/NOTES.md)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
@@ -83,16 +86,18 @@ class Shape:
     # Packed documents: the busiest rank's share of the attention a full causal window gives it (document_area);
     # 1 for one sequence. Attention's time scales with it; nothing else does.
     attn_area: float = 1.0
+    stochastic_rounding: bool = False  # the optimizer: bf16 AdamW with stochastic rounding (optim.py), else fused
 
     @classmethod
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
-           loss_chunk=2048, attn_backend="cudnn"):
+           loss_chunk=2048, attn_backend="cudnn", stochastic_rounding=False):
         sparse = sum(mcfg.sparse(i) for i in range(mcfg.num_hidden_layers))
         moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse) if sparse else (0,) * 4
         return cls(mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                    mcfg.num_key_value_heads, mcfg.head_dim, mcfg.vocab_size, mcfg.tie_word_embeddings, seq_len, cp,
                    world, ranks_per_node, param_bytes, act_bytes, loss_chunk,
-                   attn_backend if attn_backend in FITTED.attn_tflops else "cudnn", *moe)
+                   attn_backend if attn_backend in FITTED.attn_tflops else "cudnn", *moe,
+                   stochastic_rounding=stochastic_rounding)
 
     @property
     def tokens(self):  # per rank
@@ -251,6 +256,11 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     return state + max(grads, on_gpu) + loss + work + mlp + moe
 
 
+def sr_gparams(s: Shape) -> float:
+    """Billions of parameters the rank's stochastic-rounding AdamW updates in a step: 0 without it."""
+    return s.params / s.world / 1e9 if s.stochastic_rounding else 0.0
+
+
 def routed_slots(s: Shape) -> int:
     """(token, expert) pairs a step routes on a rank, over the sparse layers: 0 for a dense model."""
     return s.sparse_layers * s.tokens * s.top_k
@@ -258,7 +268,8 @@ def routed_slots(s: Shape) -> int:
 
 def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     return (attention_flops(s, lv) / (k.attn_tflops[s.attn_backend] * 1e12) + gemm_flops(s) / (k.gemm_tflops * 1e12)
-            + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6)
+            + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 + k.sr_s_per_gparam * sr_gparams(s)
+            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6)
 
 
 def predict(s: Shape, lv: Levers, k: Constants = FITTED) -> Cost:
@@ -346,6 +357,7 @@ if __name__ == "__main__":
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--cp", type=int, default=0, help="0: all GPUs")
     ap.add_argument("--param_dtype", default="float32")
+    ap.add_argument("--stochastic_rounding", default="false", choices=["true", "false"])
     ap.add_argument("--attn_backend", default="cudnn", choices=sorted(FITTED.attn_tflops), help="the kernels timed")
     ap.add_argument("--gpu_mem_gib", type=float, default=74.5, help="per GPU (80 GB = 74.5 GiB)")
     ap.add_argument("--host_mem_gib", type=float, default=1907, help="per node (2 TB = 1907 GiB)")
@@ -354,7 +366,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     world = a.nproc * a.nodes
     s = Shape.of(Qwen3Config.from_pretrained(a.model), a.seq_len, a.cp or world, world, a.nproc,
-                 param_bytes=4 if a.param_dtype == "float32" else 2, attn_backend=a.attn_backend)
+                 param_bytes=4 if a.param_dtype == "float32" else 2, attn_backend=a.attn_backend,
+                 stochastic_rounding=a.stochastic_rounding == "true")
     try:
         if a.doc_lens:
             docs = parse_doc_lens(a.doc_lens)

@@ -505,7 +505,8 @@ def plan_shape(cfg: TrainConfig, mcfg, world: int) -> plan.Shape:
     return plan.Shape.of(mcfg, cfg.seq_len, cfg.cp or world, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
                          act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
-                         attn_backend=parallel.resolve_backend(cfg.attn_backend))
+                         attn_backend=parallel.resolve_backend(cfg.attn_backend),
+                         stochastic_rounding=cfg.stochastic_rounding)
 
 
 def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
@@ -534,7 +535,7 @@ def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
         # unless the command line chose the dtype or the rounding
         if cfg.param_dtype != "float32" or given & {"param_dtype", "stochastic_rounding"}:
             raise SystemExit(f"error: --fit auto: {e}") from None
-        s = dataclasses.replace(s, param_bytes=2)
+        s = dataclasses.replace(s, param_bytes=2, stochastic_rounding=True)
         try:
             lv, cost = plan.choose(s, caps[0].item(), caps[1].item(), fixed)
         except plan.NoFit as e2:

@@ -4,7 +4,9 @@
     python bench/fit_plan.py --check   # each run by constants fitted without it; then CHECK_FILES, never fitted
 
 The fit is relative least squares, time and memory apart: step time is linear in 1/attention rate (one per
-backend), 1/GEMM rate and the per-token-per-layer term; peak memory in the two per-token working sets.
+backend), 1/GEMM rate, the per-token-per-layer term, the stochastic-rounding step's per-parameter term and (MoE
+runs) the per-routed-pair term;
+peak memory in the two per-token working sets.
 """
 import argparse
 import json
@@ -30,7 +32,8 @@ def measured_runs(files, root=os.path.join(ROOT, "bench")):
     """[(Shape, Levers, s/step, peak GiB, name)] of the runs in bench/results/<files>. A run names its levers
     (offload_layers, keep_attention_layers, or levers: [both]); older files without them offloaded every block and
     kept attention unless their flags said otherwise (each of these fallbacks is still needed by a file above).
-    A file that is a dict gives its runs its model, seq_len, backend and nproc (= cp) unless a run has its own;
+    A file that is a dict gives its runs its model, seq_len, backend, param_dtype and nproc (= cp) unless a run
+    has its own;
     a run of packed documents gives its attn_area (bench/doc_balance.py: one per timed step)."""
     runs = []
     for f in files:
@@ -38,7 +41,8 @@ def measured_runs(files, root=os.path.join(ROOT, "bench")):
         if not os.path.exists(path):
             continue
         data = json.load(open(path))
-        common = {k: data[k] for k in ("model", "seq_len", "backend") if isinstance(data, dict) and k in data}
+        common = {k: data[k] for k in ("model", "seq_len", "backend", "param_dtype")
+                  if isinstance(data, dict) and k in data}
         if isinstance(data, dict) and "nproc" in data:
             common.update(cp=data["nproc"], world=data["nproc"])
         for r in data["runs"] if isinstance(data, dict) else data:
@@ -51,7 +55,7 @@ def measured_runs(files, root=os.path.join(ROOT, "bench")):
             backend = r.get("backend") or ("fa4" if "--attn_backend fa4" in extra else "cudnn")
             cp = r.get("cp", 1)
             s = plan.Shape.of(mcfg, r["seq_len"], cp, r.get("world", cp), 1, param_bytes=4 if fp32 else 2,
-                              attn_backend=backend)
+                              attn_backend=backend, stochastic_rounding="stochastic_rounding true" in extra)
             area = r.get("attn_area", 1.0)
             s = replace(s, attn_area=sum(area) / len(area) if isinstance(area, list) else area)
             lv = plan.Levers(r.get("offload_layers", s.layers),
@@ -70,7 +74,8 @@ def solve(runs, k: plan.Constants = plan.FITTED) -> plan.Constants:
     for s, lv, t, mem, _ in runs:
         attn = plan.attention_flops(s, lv) / 1e12
         A.append(np.array([attn * (b == s.attn_backend) for b in backends]
-                          + [plan.gemm_flops(s) / 1e12, s.layers * s.tokens / 1e6, plan.routed_slots(s) / 1e6]) / t)
+                          + [plan.gemm_flops(s) / 1e12, s.layers * s.tokens / 1e6, plan.sr_gparams(s),
+                             plan.routed_slots(s) / 1e6]) / t)
         # gpu_bytes is linear in the two working sets: what it counts without them is known
         per_constant = np.array([s.tokens * s.hidden, s.tokens * s.heads * s.head_dim * (s.cp > 1)])
         known = plan.gpu_bytes(s, lv, replace(k, work_bytes_per_token_hidden=0, ring_bytes_per_token_qdim=0))
@@ -84,8 +89,9 @@ def solve(runs, k: plan.Constants = plan.FITTED) -> plan.Constants:
     return plan.Constants(
         attn_tflops={**k.attn_tflops, **{b: round(1 / float(x[i]), 1) for i, b in enumerate(backends)}},
         gemm_tflops=round(1 / float(x[n]), 1), other_s_per_mtoken_layer=round(float(x[n + 1]), 3),
+        sr_s_per_gparam=round(float(x[n + 2]), 3),
         work_bytes_per_token_hidden=round(float(w[0]), 1), ring_bytes_per_token_qdim=round(float(w[1]), 2),
-        moe_s_per_mslot_layer=round(float(x[n + 2]), 3) if moe else k.moe_s_per_mslot_layer)
+        moe_s_per_mslot_layer=round(float(x[n + 3]), 3) if moe else k.moe_s_per_mslot_layer)
 
 
 def errors(runs, k: plan.Constants = plan.FITTED):

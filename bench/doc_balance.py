@@ -139,14 +139,15 @@ def steps(a):
         for mode in ("balanced", "simple"):
             r = run(a, f"{case}, {mode}", ["--tokenizer", "byte", "--data", path, "--packing", "docs",
                                            "--doc_attention", mode, *a.extra.split()])
-            results.append(r)
+            results.append({**r, "doc_attention": mode})
     for r in results:
         if "error" not in r:
             r["predicted_s"] = predicted(a, r)
             print(f"{r['name']:24} {r['s_per_step']:7.2f} s/step (predicted {r['predicted_s'] or float('nan'):6.2f})"
                   f", peak {r['peak_mem_gib']:.1f} GiB, attn_area {statistics.mean(r['attn_area']):.4f}", flush=True)
     return dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", model=a.model,
-                seq_len=a.seq_len, nproc=a.nproc, runs=results)
+                seq_len=a.seq_len, nproc=a.nproc, backend=parallel.resolve_backend(), param_dtype="float32",
+                runs=results)
 
 
 if __name__ == "__main__":

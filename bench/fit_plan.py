@@ -46,7 +46,7 @@ def measured_runs(files, root=os.path.join(ROOT, "bench")):
         if isinstance(data, dict) and "nproc" in data:
             common.update(cp=data["nproc"], world=data["nproc"])
         for r in data["runs"] if isinstance(data, dict) else data:
-            if "error" in r:
+            if "error" in r or r.get("doc_attention") == "simple":  # the model times the balanced path only
                 continue
             r = {**common, **dict(zip(("offload_layers", "keep_attention_layers"), r.get("levers") or ())), **r}
             mcfg = Qwen3Config.from_pretrained(os.path.join(root, "configs", r["model"]))

@@ -37,16 +37,17 @@ def test_the_constants_are_the_fit_of_the_measured_runs():
               (line.split(" = ") for line in out.getvalue().splitlines())}
     for name, value in fitted.items():
         assert value == pytest.approx(getattr(plan.FITTED, name), rel=2e-3), name
-    assert len(errs) == 17 and sum(" fa4 " in name for name, _, _ in errs) == 4
+    assert len(errs) == 20 and sum(" fa4 " in name for name, _, _ in errs) == 5
     for name, dt, dm in errs:
         assert abs(dt) < 0.07 and abs(dm) < 0.06, (name, dt, dm)
 
 
 def test_out_of_sample_errors():
-    """Each run predicted by constants fitted without it, and the runs no fit has seen: time within 10% (but the
-    one-step 524k run, whose only step includes pinning 109 GiB of host memory), GPU memory within 6%."""
+    """Each run predicted by constants fitted without it, and the runs no fit has seen (packed documents and a
+    Qwen3-MoE among them): time within 10% (but the one-step 524k run, whose only step includes pinning 109 GiB of
+    host memory), GPU memory within 6%."""
     errs = fit_plan.check()
-    assert len(errs) == 20
+    assert len(errs) == 28
     for name, dt, dm in errs:
         assert abs(dm) < 0.06, (name, dm)
         assert abs(dt) < (0.12 if "524288" in name else 0.10), (name, dt)

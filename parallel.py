@@ -414,6 +414,13 @@ def _last_step(docs, world):
     return max(i for r in range(world) for i, blocks in enumerate(_doc_blocks(docs, r, world)) if blocks)
 
 
+def _one_block(steps, last):
+    """Whether all of a rank's attention is one block of its own K/V over all its rows: one sequence on a ring of
+    one, or balanced documents that no two ranks share (one call for the rank's pieces, no ring step after the
+    first). A single block at step 0 covers every row (the causal blocks come first and cover each row once)."""
+    return last == 0 and len(steps[0]) == 1
+
+
 def _acc(q):
     """The merge's and the gradient accumulators' dtype: fp32, or float64 for float64 inputs (the CPU tests)."""
     return torch.promote_types(q.dtype, torch.float32)
@@ -479,10 +486,9 @@ def _ring_fwd(q, k, v, group, backend, docs=None):
     lse [B, Hq, T] fp32. At step i this rank holds the K/V of rank - i. docs: None (one sequence) or
     (doc_lens, balanced) (_documents); the ring stops after _last_step."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    steps = _ring_blocks(docs, rank, world, q.shape[2])
-    if world == 1 and len(steps[0]) == 1:  # one block over every row (one sequence, or balanced documents) on
-        return _attn_fwd(q, k, v, steps[0][0][2], backend)  # one device: the kernel's own output, no fp32 buffer
-    last = _last_step(docs, world)
+    steps, last = _ring_blocks(docs, rank, world, q.shape[2]), _last_step(docs, world)
+    if _one_block(steps, last):  # the kernel's own output: no fp32 buffer, nothing sent
+        return _attn_fwd(q, k, v, steps[0][0][2], backend)
     out = lse = None
     if docs is not None and not docs[1]:  # pieces reach some rows only: buffers, each row first written by a piece
         out, lse = torch.empty_like(q, dtype=_acc(q)), q.new_empty(q.shape[:3], dtype=_acc(q))
@@ -507,10 +513,9 @@ def _ring_bwd(dout, q, k, v, out, lse, group, backend, docs=None):
     ranks back, delivers every buffer, with all its contributions, to its owner (after a whole ring: the next
     rank). docs: as in forward, which gives the same blocks."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    steps = _ring_blocks(docs, rank, world, q.shape[2])
-    if world == 1 and len(steps[0]) == 1:  # one device, one block: the kernel's own gradients
+    steps, last = _ring_blocks(docs, rank, world, q.shape[2]), _last_step(docs, world)
+    if _one_block(steps, last):  # the kernel's own gradients: no fp32 accumulators, nothing sent
         return _attn_bwd(dout, q, k, v, out, lse, steps[0][0][2], backend=backend)
-    last = _last_step(docs, world)
     dtypes = q.dtype, k.dtype, v.dtype
     if last:
         k, v = k.contiguous(), v.contiguous()

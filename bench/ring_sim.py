@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parallel import (_acc, _attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _last_step, _ring_blocks,  # noqa: E402
-                      cp_shard, cp_unshard)
+from parallel import (_acc, _attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _last_step, _one_block,  # noqa: E402
+                      _ring_blocks, cp_shard, cp_unshard)
 
 
 def rank_forward(qs, ks, vs, r, docs=None, backend="auto"):
@@ -35,11 +35,13 @@ def rank_forward(qs, ks, vs, r, docs=None, backend="auto"):
     parallel._last_step, with the K/V of rank r - i at step i. docs: None (one sequence) or (doc_lens, balanced).
     -> (out in q.dtype, lse)."""
     cp, q = len(qs), qs[r]
-    steps = _ring_blocks(docs, r, cp, q.shape[2])
+    steps, last = _ring_blocks(docs, r, cp, q.shape[2]), _last_step(docs, cp)
+    if _one_block(steps, last):
+        return _attn_fwd(q, ks[r], vs[r], steps[0][0][2], backend)
     out = lse = None
     if docs is not None and not docs[1]:  # the simple path: pieces write rows of buffers
         out, lse = torch.empty_like(q, dtype=_acc(q)), q.new_empty(q.shape[:3], dtype=_acc(q))
-    for i in range(_last_step(docs, cp) + 1):
+    for i in range(last + 1):
         src = (r - i) % cp
         for block in steps[i]:
             out, lse = _fwd_block(q, ks[src], vs[src], out, lse, block, backend)
@@ -50,10 +52,15 @@ def rank_backward(douts, qs, ks, vs, fwd_r, r, dks, dvs, docs=None, backend="aut
     """Rank r's ring backward from its (out, lse): returns its fp32 dq and adds each block's dK/dV into the source
     rank's fp32 buffer in dks/dvs (in the real ring those buffers travel back to their owner)."""
     cp, q = len(qs), qs[r]
-    steps = _ring_blocks(docs, r, cp, q.shape[2])
+    steps, last = _ring_blocks(docs, r, cp, q.shape[2]), _last_step(docs, cp)
     out, lse = fwd_r
+    if _one_block(steps, last):
+        dq, dk, dv = _attn_bwd(douts[r], q, ks[r], vs[r], out, lse, steps[0][0][2], backend=backend)
+        dks[r] += dk
+        dvs[r] += dv
+        return dq
     dq = torch.zeros_like(q, dtype=_acc(q))
-    for i in range(_last_step(docs, cp) + 1):
+    for i in range(last + 1):
         src = (r - i) % cp
         for block in steps[i]:
             cols, dk_b, dv_b = _bwd_block(douts[r], q, ks[src], vs[src], out, lse, dq, block, backend)

@@ -3,9 +3,9 @@ the loss on the assistant's tokens only, averaged over the trained tokens of the
 
 The oracle for the first step's loss: each document of the step's windows run alone, from position 0, through
 transformers' Qwen3ForCausalLM on the same initial weights, its NLL summed over the trained labels and divided by
-their count over every window of the step. Then every layout (cp 1/2/4, dp 2, --grad_accum 2) gives the same
-losses and gradient norms as one process, although some ranks' shards hold no trained token at all (a long user
-turn), and the windows hold very different numbers of trained tokens.
+their count over every window of the step. Then every layout (cp 1/2/4, dp 2, --grad_accum 2, both
+--doc_attention paths) gives the same losses and gradient norms as one process, although some ranks' shards hold no
+trained token at all (a long user turn), and the windows hold very different numbers of trained tokens.
 """
 import json
 import os
@@ -98,6 +98,7 @@ def test_the_loss_is_the_mean_over_trained_tokens_in_every_layout(setup, tmp_pat
     assert one[0]["num_tokens"] == sum(per_window) and 0.5 < one[0]["untrained_share"] < 1  # trained tokens
     for nproc, args in ((2, ("--cp", "1")),                          # dp 2: a window each
                         (2, ("--cp", "2", "--grad_accum", "2")),     # the ring over 2 ranks
+                        (2, ("--cp", "2", "--grad_accum", "2", "--doc_attention", "simple")),  # zigzag, per piece
                         (4, ("--cp", "4", "--grad_accum", "2"))):    # over 4: chunks of 33 tokens
         got, _ = train(tmp_path, setup, nproc, *args)
         assert len(got) == len(one) == 2

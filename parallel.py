@@ -113,6 +113,9 @@ def cp_unshard(shards, dim, doc_lens=None, balanced=True):
     return torch.cat([chunks[j] for j in sorted(chunks)], dim)
 
 
+zigzag_shard, zigzag_unshard = cp_shard, cp_unshard  # the names of the design notes' contract: one sequence
+
+
 def cp_positions(seq_len, rank, world, doc_lens=None, balanced=True, device=None):
     """Global position ids [seq_len // world] of rank's tokens (in the window: the RoPE positions of one sequence)."""
     return cp_shard(torch.arange(seq_len, device=device), 0, rank, world, doc_lens, balanced)

@@ -1,8 +1,8 @@
 """Packed documents under the ring: each rank's attention time, the balanced layout against the simple path, and
 whole training steps on documents of set lengths against one sequence of the same length.
 
-    python bench/doc_balance.py attn                        # one GPU plays cp 2 at 262,144 tokens (~3 min)
-    python bench/doc_balance.py steps --nproc 1             # train.py at 131,072 tokens on one GPU (~7 min)
+    python bench/doc_balance.py attn                        # one GPU plays cp 2 at 262,144 tokens (~2 min)
+    python bench/doc_balance.py steps --nproc 1             # train.py at 131,072 tokens on one GPU (~8 min)
     python bench/doc_balance.py steps --nproc 2 --seq_len 262144 --model qwen3-8b   # the 2-GPU table
     python bench/doc_balance.py attn --small                # CPU, tiny shapes: every path runs
 

@@ -187,6 +187,10 @@ def test_zigzag_round_trip_and_positions():
     # world 2, 8 tokens: chunks of 2, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
     assert cp_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
     assert cp_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    # the contract's names: zigzag_shard(x, dim, rank, world) is chunks rank and 2*world-1-rank of 2*world
+    chunks = x.chunk(6, 2)
+    assert torch.equal(parallel.zigzag_shard(x, 2, 1, 3), torch.cat([chunks[1], chunks[4]], 2))
+    assert torch.equal(parallel.zigzag_unshard([cp_shard(x, 2, r, 3) for r in range(3)], 2), x)
 
 
 def test_bad_inputs_raise():

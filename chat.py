@@ -351,11 +351,18 @@ def default_packing(source: str, *, split: str = "train", text_column: str = "te
 # A look at what the loader makes of a source
 # ---------------------------------------------------------------------------------------------
 
-def marked(tokenizer, ids: np.ndarray, trained: np.ndarray) -> str:
-    """The document's text with each run of trained tokens (targets) in [[ ]]."""
+def marked(tokenizer, ids: np.ndarray, trained: np.ndarray, context: int | None = None) -> str:
+    """The document's text with each run of trained tokens (targets) in [[ ]]. With `context`, a run of untrained
+    text (a system prompt, a tool's output) keeps only its first and last `context` lines and says how many it
+    leaves out."""
+    def shown(text):
+        lines = text.split("\n")
+        if context is None or len(lines) <= 2 * context + 1:
+            return text
+        return "\n".join([*lines[:context], f"[... {len(lines) - 2 * context} lines left out ...]", *lines[-context:]])
     cuts = np.flatnonzero(np.diff(trained.astype(np.int8))) + 1
     runs = zip(np.split(ids, cuts), np.split(trained, cuts))
-    return "".join(f"[[{tokenizer.decode(r)}]]" if t[0] else tokenizer.decode(r) for r, t in runs if len(r))
+    return "".join(f"[[{tokenizer.decode(r)}]]" if t[0] else shown(tokenizer.decode(r)) for r, t in runs if len(r))
 
 
 def main(argv=None) -> None:
@@ -372,6 +379,7 @@ def main(argv=None) -> None:
     parser.add_argument("--completion_only_loss", choices=("true", "false"), default="true")
     parser.add_argument("--text_column", default="text")
     parser.add_argument("--excerpt", type=int, default=1500, help="characters of the first document to show")
+    parser.add_argument("--context", type=int, default=3, help="lines kept at each end of an untrained run")
     args, t0 = parser.parse_args(argv), time.perf_counter()
     tok = load_tokenizer(args.tokenizer)
     kind = args.packing or default_packing(args.source, text_column=args.text_column)
@@ -383,9 +391,11 @@ def main(argv=None) -> None:
     if first is not None and first.trained.all():
         print(f"{first.where}, {len(first.ids)} tokens, every one trained\n")
     elif first is not None:
-        text = marked(tok, first.ids, first.trained)
-        print(f"{first.where}, {len(first.ids)} tokens, {int(first.trained[1:].sum())} trained ([[ ]]):\n"
-              f"{text[:args.excerpt]}{' ...' if len(text) > args.excerpt else ''}\n")
+        text = marked(tok, first.ids, first.trained, args.context)
+        shown, rest = text[:args.excerpt], text[args.excerpt:]
+        print(f"{first.where}, {len(first.ids)} tokens, {int(first.trained[1:].sum())} trained ([[ ]]):\n{shown}"
+              + (f" ... {len(rest):,} more characters not shown, [[ ]] in them: {rest.count('[[')}" if rest else "")
+              + "\n")
     rows = lambda row: docs(start_row=row)  # noqa: E731
     loader = WindowLoader(rows, args.seq_len) if kind == "concat" else PackedLoader(rows, args.seq_len, tok.eos_id)
     for k, w in zip(range(args.windows), loader):

@@ -34,9 +34,14 @@ class Window:
     pad: int              # padding pairs (input end-of-text, label -100) after the data's last document
     untrained: int        # pairs of real documents whose label is -100 (prompts, headers, other roles)
 
+    @property
+    def documents(self) -> int:
+        """Documents of the data in this window (pieces of split ones included), the padding not counted."""
+        return len(self.doc_lens) - (self.pad > 0)
+
     def summary(self) -> str:
         T = len(self.inputs)
-        return (f"{len(self.doc_lens)} documents, padding {self.pad / T:.1%}, not trained {self.untrained / T:.1%}, "
+        return (f"{self.documents} documents, padding {self.pad / T:.1%}, not trained {self.untrained / T:.1%}, "
                 f"trained {(T - self.pad - self.untrained) / T:.1%}")
 
 

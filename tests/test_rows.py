@@ -8,6 +8,7 @@ the test); Qwen3's real chat template is the fixture (Qwen/Qwen3-8B tokenizer_co
 """
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -508,12 +509,13 @@ def test_a_long_document_is_split_and_its_continuation_starts_over(tok):
     assert torch.cat([w.inputs for w in windows])[:22].tolist() == ids[:-1].tolist()
     assert torch.cat([w.labels for w in windows])[:22].tolist() == [-100] * 4 + ids[5:].tolist()
     assert [(w.pad, w.untrained) for w in windows] == [(0, 4), (0, 0), (8, 0)]
+    assert [w.documents for w in windows] == [1, 1, 1]  # the padding is no document
     assert packing.doc_positions(windows[2].doc_lens).tolist() == [0, 1] + list(range(8))
     assert windows[2].inputs[2:].tolist() == [tok.eos_id] * 8 and (windows[2].labels[2:] == -100).all()
     # dp 2: a third window is padding through and through, so both ranks get two
     two = [drain(packing.PackedLoader(books, 10, tok.eos_id, dp_rank=r, dp_size=2)) for r in (0, 1)]
     assert [len(w) for w in two] == [2, 2] and two[1][1].doc_lens == [10] and two[1][1].pad == 10
-    assert (two[1][1].labels == -100).all() and two[1][1].untrained == 0
+    assert (two[1][1].labels == -100).all() and two[1][1].untrained == 0 and two[1][1].documents == 0
 
 
 def concat_view(w: torch.Tensor) -> packing.Window:
@@ -570,3 +572,24 @@ def test_the_command_line_marks_what_is_trained(mixed, model, capsys):
     assert "'packing': 'docs'" in out.out
     assert "data: mixed.jsonl line 4: unknown role 'robot'" in out.err
 
+
+def test_marked_context_shortens_untrained_text_only(tok):
+    ids, trained = chat.row_document(row_of(*CHATS["tools"][:2]), tok, chat_template=QWEN3)
+    full, short = chat.marked(tok, ids, trained), chat.marked(tok, ids, trained, context=2)
+    system = full.split("[[")[0].split("\n")  # the system prompt with its tools, up to the first trained run
+    assert len(system) > 5
+    assert short.split("[[")[0] == "\n".join(system[:2] + [f"[... {len(system) - 4} lines left out ...]"] + system[-2:])
+    assert re.findall(r"\[\[.*?\]\]", short, re.S) == re.findall(r"\[\[.*?\]\]", full, re.S)
+
+
+def test_the_command_line_says_what_it_leaves_out(mixed, model, tok, capsys):
+    """The first document is cut at --excerpt, saying how much is left out; the padding is not counted as a
+    document."""
+    path, docs = mixed
+    chat.main([str(path), "--tokenizer", str(model), "--seq_len", "4096", "--windows", "1", "--excerpt", "40"])
+    out = capsys.readouterr().out
+    text = chat.marked(tok, *docs[0])
+    assert text[40:].count("[[") == 1
+    assert f"{text[:40]} ... {len(text) - 40:,} more characters not shown, [[ ]] in them: 1\n" in out
+    assert sum(len(ids) - 1 for ids, _ in docs) < 4096  # one window: every document, then padding
+    assert f"window 0: {len(docs)} documents, padding " in out

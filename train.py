@@ -925,10 +925,11 @@ def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, wor
                mfu=flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
                peak_mem_gib=peak / 2**30, host_pinned_gib=host / 2**30,
                loss_by_position=by_position)  # [--loss_buckets] means over equal spans of position
+    rec["skipped_rows"] = run.batches.skipped  # rows of the data left out so far, text or not
     if batch[0].doc_lens is not None:  # packed documents: what the windows held
         cp, balanced = run.s.mesh.get_group("cp").size(), cfg.doc_attention == "balanced"
         rec.update(docs=sum(len(m.doc_lens) for m in batch) / len(batch), pad_share=n_pad / run.n_pairs,
-                   untrained_share=1 - (n_trained + n_pad) / run.n_pairs, skipped_rows=run.batches.skipped,
+                   untrained_share=1 - (n_trained + n_pad) / run.n_pairs,
                    # the busiest rank's attention over a full causal window's: what plan.py times
                    attn_area=sum(plan.document_area(m.doc_lens, cp, balanced) for m in batch) / len(batch))
     if not applied:

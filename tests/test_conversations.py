@@ -51,8 +51,9 @@ def setup(tmp_path_factory):
     return folder, path, tok, mcfg
 
 
-def train(tmp_path, setup, nproc, *args):
+def train(tmp_path, setup, nproc, *args, data_path=None):
     folder, path, _, _ = setup
+    path = data_path or path
     out = tmp_path / f"run{nproc}_{abs(hash(args))}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "train.py"), "--model", str(folder), "--data", str(path), *FLAGS, "--out_dir", str(out),
@@ -117,3 +118,12 @@ def test_assistant_only_loss_false_trains_every_token(setup, tmp_path):
                    "--max_steps", "1")
     assert got[0]["untrained_share"] == 0.0
 
+
+def test_skipped_rows_are_counted_in_the_metrics(setup, tmp_path):
+    """A bad row is counted in metrics.jsonl's skipped_rows, in a stream of text (concat) as among documents."""
+    path = tmp_path / "books.jsonl"
+    path.write_text(json.dumps({"text": "Hello."}) + "\n" + '{"text": "unterminated\n'
+                    + json.dumps({"text": "It was the best of times, it was the worst of times. " * 30}) + "\n")
+    for kind in ("concat", "docs"):
+        got, _ = train(tmp_path, setup, 1, "--packing", kind, "--max_steps", "1", data_path=path)
+        assert got[0]["skipped_rows"] == 1, (kind, got[0])

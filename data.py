@@ -213,8 +213,8 @@ class WindowLoader:
     is dropped. A subclass packs windows another way (_windows; packing.PackedLoader).
 
     documents(start) must yield (row, item) from row `start` on; it is called again on resume. An item is a
-    Document (tokenized, iter_books) or a Skipped row, which is counted and written out with `log` (default:
-    stderr, on dp rank 0 only). A daemon thread reads ahead into a queue of `prefetch` windows. In training one
+    Document (tokenized(iter_books(...)), or chat.iter_documents) or a Skipped row, which is counted and written
+    out with `log` (default: stderr, on dp rank 0 only). A daemon thread reads ahead into a queue of `prefetch` windows. In training one
     loader runs per data-parallel group, on the group's first rank (Batches); it tokenizes the whole stream,
     every group's windows, and copies only its own: tokenizing is seconds per 1M-token window against minutes of
     training.

@@ -64,11 +64,11 @@ class TrainConfig:
     yarn_original_max_position_embeddings: int = 32768
     # data: "pg19" (streamed from the hub), "synthetic", or a local .txt/.jsonl/.parquet file or folder
     data: str = "pg19"
-    data_repo: str = ""           # "" = data.py's default PG-19 parquet copy
+    data_repo: str = ""           # "" = sources.py's default PG-19 parquet copy
     data_revision: str = "main"
     data_split: str = "train"
     data_column: str = "text"
-    # rows: {"text"}, {"messages": [...]} or {"prompt", "completion"} (data.py); conversations use the chat
+    # rows: {"text"}, {"messages": [...]} or {"prompt", "completion"} (chat.py); conversations use the chat
     # template of the tokenizer's folder
     packing: str = "auto"         # concat: texts end to end, attending across (PG-19) | docs: each document
                                   # attends to itself alone | auto: concat for text rows, docs for the others

@@ -517,8 +517,8 @@ def test_a_long_document_is_split_and_its_continuation_starts_over(tok):
     ids = np.arange(10, 10 + 23, dtype=np.int64)
     trained = np.ones(23, dtype=bool)
     trained[:5] = False  # a prompt of 5 tokens
-    books = lambda start: iter([(0, data.Document(ids, trained, "doc"))][start:])  # noqa: E731
-    windows = drain(packing.PackedLoader(books, 10, tok.eos_id, dp_size=1))
+    docs = lambda start: iter([(0, data.Document(ids, trained, "doc"))][start:])  # noqa: E731
+    windows = drain(packing.PackedLoader(docs, 10, tok.eos_id, dp_size=1))
     assert [w.doc_lens for w in windows] == [[10], [10], [2, 8]]  # 22 pairs: 10, 10, then 2 and padding
     assert torch.cat([w.inputs for w in windows])[:22].tolist() == ids[:-1].tolist()
     assert torch.cat([w.labels for w in windows])[:22].tolist() == [-100] * 4 + ids[5:].tolist()
@@ -527,7 +527,7 @@ def test_a_long_document_is_split_and_its_continuation_starts_over(tok):
     assert packing.doc_positions(windows[2].doc_lens).tolist() == [0, 1] + list(range(8))
     assert windows[2].inputs[2:].tolist() == [tok.eos_id] * 8 and (windows[2].labels[2:] == -100).all()
     # dp 2: a third window is padding through and through, so both ranks get two
-    two = [drain(packing.PackedLoader(books, 10, tok.eos_id, dp_rank=r, dp_size=2)) for r in (0, 1)]
+    two = [drain(packing.PackedLoader(docs, 10, tok.eos_id, dp_rank=r, dp_size=2)) for r in (0, 1)]
     assert [len(w) for w in two] == [2, 2] and two[1][1].doc_lens == [10] and two[1][1].pad == 10
     assert (two[1][1].labels == -100).all() and two[1][1].untrained == 0 and two[1][1].documents == 0
 
@@ -551,16 +551,16 @@ def test_doc_positions_and_the_concat_view():
 @pytest.mark.parametrize("before, ranks", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
 def test_packed_resume_gives_the_same_windows(mixed, tok, before, ranks):
     path, _ = mixed
-    books = lambda r: chat.iter_documents(str(path), tok, start_row=r)  # noqa: E731
+    docs = lambda r: chat.iter_documents(str(path), tok, start_row=r)  # noqa: E731
     for rank in range(ranks):
-        first = packing.PackedLoader(books, 23, tok.eos_id, rank, ranks, prefetch=8, log=lambda line: None)
-        whole = drain(packing.PackedLoader(books, 23, tok.eos_id, rank, ranks, log=lambda line: None))
+        first = packing.PackedLoader(docs, 23, tok.eos_id, rank, ranks, prefetch=8, log=lambda line: None)
+        whole = drain(packing.PackedLoader(docs, 23, tok.eos_id, rank, ranks, log=lambda line: None))
         for _ in range(before):
             next(first)
         state = json.loads(json.dumps(first.state_dict()))
         skipped = first.skipped
         rest = drain(first)
-        fresh = packing.PackedLoader(books, 23, tok.eos_id, rank, ranks, prefetch=1, log=lambda line: None)
+        fresh = packing.PackedLoader(docs, 23, tok.eos_id, rank, ranks, prefetch=1, log=lambda line: None)
         fresh.load_state_dict(state)
         assert fresh.skipped == skipped
         again = drain(fresh)
@@ -573,7 +573,7 @@ def test_packed_resume_gives_the_same_windows(mixed, tok, before, ranks):
     if (before, ranks) == (2, 1):
         assert state["offset"] > 0 and state["packing"] == "docs"  # resumes inside a split document
     with pytest.raises(ValueError, match="packed with 'docs'.*same packing"):
-        data.WindowLoader(books, 23).load_state_dict(state)
+        data.WindowLoader(docs, 23).load_state_dict(state)
 
 
 def test_the_command_line_marks_what_is_trained(mixed, model, capsys):

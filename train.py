@@ -41,9 +41,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.rendezvous import rendezvous
 
+import chat
 import checkpoint
 import data
 import optim
+import packing
 import parallel
 import plan
 import rundir
@@ -62,11 +64,11 @@ class TrainConfig:
     yarn_original_max_position_embeddings: int = 32768
     # data: "pg19" (streamed from the hub), "synthetic", or a local .txt/.jsonl/.parquet file or folder
     data: str = "pg19"
-    data_repo: str = ""           # "" = data.py's default PG-19 parquet copy
+    data_repo: str = ""           # "" = sources.py's default PG-19 parquet copy
     data_revision: str = "main"
     data_split: str = "train"
     data_column: str = "text"
-    # rows: {"text"}, {"messages": [...]} or {"prompt", "completion"} (data.py); conversations use the chat
+    # rows: {"text"}, {"messages": [...]} or {"prompt", "completion"} (chat.py); conversations use the chat
     # template of the tokenizer's folder
     packing: str = "auto"         # concat: texts end to end, attending across (PG-19) | docs: each document
                                   # attends to itself alone | auto: concat for text rows, docs for the others
@@ -207,7 +209,7 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     need(cfg.fit in ("auto", "off"), f"--fit {cfg.fit}: use auto or off")
     need(not cfg.stochastic_rounding or cfg.param_dtype == "bfloat16",
          "--stochastic_rounding true rounds updates into bf16 weights: it needs --param_dtype bfloat16")
-    need(cfg.packing in ("auto", *data.PACKINGS), f"--packing {cfg.packing}: use auto, concat or docs")
+    need(cfg.packing in ("auto", *packing.PACKINGS), f"--packing {cfg.packing}: use auto, concat or docs")
     need(cfg.doc_attention in ("balanced", "simple"), f"--doc_attention {cfg.doc_attention}: use balanced or simple")
     need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0, "--gpu_mem_gib and --host_mem_gib must be >= 0")
     need(cfg.offload_layers >= -1 and cfg.keep_attention_layers >= -1,
@@ -598,23 +600,28 @@ def make_batches(cfg: TrainConfig, s: Setup, source: str, split: str, grad_accum
     kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=split, text_column=cfg.data_column)
     if cfg.data_repo:
         kw["repo"] = cfg.data_repo
-    packing = cfg.packing if cfg.packing != "auto" else on_rank0(lambda: data.default_packing(
-        source, **{k: v for k, v in kw.items() if k != "seed"}))
+    concat = (cfg.packing if cfg.packing != "auto" else on_rank0(lambda: chat.default_packing(
+        source, **{k: v for k, v in kw.items() if k != "seed"}))) == "concat"
 
     def make_loader():
         tok = data.load_tokenizer(data.tokenizer_spec(cfg.tokenizer, s.model_path))
         if tok.vocab_size > s.mcfg.vocab_size:
             raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                              f"{s.mcfg.vocab_size}; use the model's own tokenizer")
-        if packing == "concat":  # text laid end to end, as read
-            rows = lambda start: data.iter_books(source, start_book=start, **kw)  # noqa: E731
-        else:                    # each row a document: text, a conversation, a prompt and its completion
-            rows = lambda start: data.iter_documents(  # noqa: E731
-                source, tok, start_row=start, assistant_only_loss=cfg.assistant_only_loss,
-                completion_only_loss=cfg.completion_only_loss, **kw)
-        return data.WindowLoader(rows, tok, cfg.seq_len, dp_rank=dp_rank, dp_size=dp, packing=packing)
-    return data.Batches(make_loader, cfg.seq_len, grad_accum, packing, s.mesh.get_group("cp"), s.device,
-                        balanced=cfg.doc_attention == "balanced")
+        if concat:  # text laid end to end, as read
+            docs = lambda start: data.tokenized(data.iter_books(source, start_book=start, **kw), tok)  # noqa: E731
+            return data.WindowLoader(docs, cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
+        # each row a document: text, a conversation, a prompt and its completion
+        docs = lambda start: chat.iter_documents(  # noqa: E731
+            source, tok, start_row=start, assistant_only_loss=cfg.assistant_only_loss,
+            completion_only_loss=cfg.completion_only_loss, **kw)
+        return packing.PackedLoader(docs, cfg.seq_len, tok.eos_id, dp_rank=dp_rank, dp_size=dp)
+    if concat:
+        return data.Batches(make_loader, cfg.seq_len, grad_accum, s.mesh.get_group("cp"), s.device)
+    # cp_shard takes the window's doc_lens as its layout and balances them; None: zigzag
+    layout_of = (lambda doc_lens: doc_lens) if cfg.doc_attention == "balanced" else (lambda doc_lens: None)
+    return packing.PackedBatches(make_loader, cfg.seq_len, grad_accum, s.mesh.get_group("cp"), s.device,
+                                 layout_of=layout_of)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -918,10 +925,11 @@ def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, wor
                mfu=flops / dt / (world * cfg.peak_tflops * 1e12) if cfg.device == "cuda" else None,
                peak_mem_gib=peak / 2**30, host_pinned_gib=host / 2**30,
                loss_by_position=by_position)  # [--loss_buckets] means over equal spans of position
+    rec["skipped_rows"] = run.batches.skipped  # rows of the data left out so far, text or not
     if batch[0].doc_lens is not None:  # packed documents: what the windows held
         cp, balanced = run.s.mesh.get_group("cp").size(), cfg.doc_attention == "balanced"
         rec.update(docs=sum(len(m.doc_lens) for m in batch) / len(batch), pad_share=n_pad / run.n_pairs,
-                   untrained_share=1 - (n_trained + n_pad) / run.n_pairs, skipped_rows=run.batches.skipped,
+                   untrained_share=1 - (n_trained + n_pad) / run.n_pairs,
                    # the busiest rank's attention over a full causal window's: what plan.py times
                    attn_area=sum(plan.document_area(m.doc_lens, cp, balanced) for m in batch) / len(batch))
     if not applied:

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 import transformers  # a test dependency: the independent reference
 
+import chat
 import data
+import packing
 from model import Qwen3, Qwen3Config, load_or_init_state_dict
 from test_rows import CHATS, QWEN3, write_model
 
@@ -40,7 +42,8 @@ def setup(tmp_path_factory):
     (folder / "config.json").write_text(json.dumps(mcfg.to_dict()))
     lecture = [{"role": "user", "content": "Tell me about the weather in Paris and in Rome. " * 8},  # > 66 tokens
                {"role": "assistant", "content": "Sunny."}]
-    rows = [{"messages": CHATS["plain"][0]}, {"messages": lecture}, {"prompt": "The weather is", "completion": " sunny."},
+    rows = [{"messages": CHATS["plain"][0]}, {"messages": lecture},
+            {"prompt": "The weather is", "completion": " sunny."},
             {"messages": CHATS["reasoning"][0]}, {"text": "Hello there, how are you?"},
             {"messages": CHATS["tools"][0], "tools": CHATS["tools"][1]}, {"messages": CHATS["no_system"][0]}]
     path = root / "chats.jsonl"
@@ -48,8 +51,9 @@ def setup(tmp_path_factory):
     return folder, path, tok, mcfg
 
 
-def train(tmp_path, setup, nproc, *args):
+def train(tmp_path, setup, nproc, *args, data_path=None):
     folder, path, _, _ = setup
+    path = data_path or path
     out = tmp_path / f"run{nproc}_{abs(hash(args))}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "train.py"), "--model", str(folder), "--data", str(path), *FLAGS, "--out_dir", str(out),
@@ -70,8 +74,7 @@ def first_step_loss_in_transformers(setup, tmp_path):
     m.load_state_dict(sd)
     m.save_pretrained(str(tmp_path / "init"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32)
-    loader = data.WindowLoader(lambda row: data.iter_documents(str(path), tok, start_row=row), tok, SEQ,
-                               packing="docs")
+    loader = packing.PackedLoader(lambda row: chat.iter_documents(str(path), tok, start_row=row), SEQ, tok.eos_id)
     windows = [next(loader) for _ in range(2)]
     total, count, per_window = 0.0, 0, []
     with torch.no_grad():
@@ -114,3 +117,13 @@ def test_assistant_only_loss_false_trains_every_token(setup, tmp_path):
     got, _ = train(tmp_path, setup, 1, "--assistant_only_loss", "false", "--completion_only_loss", "false",
                    "--max_steps", "1")
     assert got[0]["untrained_share"] == 0.0
+
+
+def test_skipped_rows_are_counted_in_the_metrics(setup, tmp_path):
+    """A bad row is counted in metrics.jsonl's skipped_rows, in a stream of text (concat) as among documents."""
+    path = tmp_path / "books.jsonl"
+    path.write_text(json.dumps({"text": "Hello."}) + "\n" + '{"text": "unterminated\n'
+                    + json.dumps({"text": "It was the best of times, it was the worst of times. " * 30}) + "\n")
+    for kind in ("concat", "docs"):
+        got, _ = train(tmp_path, setup, 1, "--packing", kind, "--max_steps", "1", data_path=path)
+        assert got[0]["skipped_rows"] == 1, (kind, got[0])

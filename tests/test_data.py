@@ -1,4 +1,5 @@
-"""data.py against streams built independently here: exact windows, resume, data parallelism, sources, errors.
+"""data.py and sources.py against streams built independently here: exact windows, resume, data parallelism,
+sources, errors.
 
     python -m pytest tests/test_data.py -q
 """
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import sources  # noqa: E402
 
 # Seven books of awkward, varied lengths: empty, tiny, non-ASCII, and several longer than a window.
 BOOKS = [
@@ -79,8 +81,9 @@ def write_jsonl(path, books, column="text"):
     return path
 
 
-def books_of(source, **kw):
-    return lambda start: data.iter_books(str(source), start_book=start, **kw)
+def docs_of(source, tokenizer, **kw):
+    """What the loader reads from row `start` on: the source's books, tokenized."""
+    return lambda start: data.tokenized(data.iter_books(str(source), start_book=start, **kw), tokenizer)
 
 
 @pytest.fixture
@@ -111,7 +114,7 @@ def bpe_tokenizer(tmp_path, special):
 @pytest.mark.parametrize("seq_len", [1, 36, 97, 300])
 def test_windows_are_the_stream_cut_exactly(pg19, seq_len):
     tok = data.ByteTokenizer()
-    windows = drain(data.WindowLoader(books_of(pg19), tok, seq_len, prefetch=2))
+    windows = drain(data.WindowLoader(docs_of(pg19, tok), seq_len, prefetch=2))
     stream = oracle_stream(BOOKS, lambda t: t.encode("utf-8"), 256)
     n = seq_len + 1
     assert len(windows) == len(stream) // n >= 3
@@ -130,7 +133,7 @@ def test_windows_with_a_tokenizer_json(tmp_path, pg19):
     for spec in (folder, folder / "tokenizer.json"):
         loaded = data.load_tokenizer(str(spec))
         assert loaded.eos_id == eos == tok.get_vocab_size() - 1 and loaded.vocab_size == tok.get_vocab_size()
-        windows = drain(data.WindowLoader(books_of(pg19), loaded, 53))
+        windows = drain(data.WindowLoader(docs_of(pg19, loaded), 53))
         stream = oracle_stream(BOOKS, lambda t: tok.encode(t, add_special_tokens=False).ids, eos)
         assert len(windows) == len(stream) // 54 >= 3
         assert torch.equal(torch.cat(windows), stream[: len(windows) * 54])
@@ -159,9 +162,9 @@ def test_load_tokenizer_eos_choice_and_errors(tmp_path):
 
 def test_synthetic_is_deterministic_per_seed():
     tok = data.ByteTokenizer()
-    a = take(data.WindowLoader(books_of("synthetic", seed=3), tok, 500), 3)
-    b = take(data.WindowLoader(books_of("synthetic", seed=3), tok, 500), 3)
-    c = take(data.WindowLoader(books_of("synthetic", seed=4), tok, 500), 3)
+    a = take(data.WindowLoader(docs_of("synthetic", tok, seed=3), 500), 3)
+    b = take(data.WindowLoader(docs_of("synthetic", tok, seed=3), 500), 3)
+    c = take(data.WindowLoader(docs_of("synthetic", tok, seed=4), 500), 3)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not any(torch.equal(x, y) for x, y in zip(a, c))
     # Book i is a pure function of (seed, i): starting at book 5 gives the sixth book.
@@ -213,41 +216,41 @@ def test_synthetic_validation_split_is_held_out():
 def test_resume_continues_with_exactly_the_same_windows(pg19, before, dp_size):
     tok, seq_len = data.ByteTokenizer(), 40
     for rank in range(dp_size):
-        first = data.WindowLoader(books_of(pg19), tok, seq_len, rank, dp_size, prefetch=8)
+        first = data.WindowLoader(docs_of(pg19, tok), seq_len, rank, dp_size, prefetch=8)
         take(first, before)
         time.sleep(0.05)  # let the thread run ahead: the state must still describe what was consumed
         state = json.loads(json.dumps(first.state_dict()))
         expected = take(first, 2)
         first.close()
-        fresh = data.WindowLoader(books_of(pg19), tok, seq_len, rank, dp_size, prefetch=1)
+        fresh = data.WindowLoader(docs_of(pg19, tok), seq_len, rank, dp_size, prefetch=1)
         fresh.load_state_dict(state)
         got = take(fresh, 2)
         fresh.close()
         assert all(torch.equal(x, y) for x, y in zip(expected, got))
     if (before, dp_size) == (1, 1):
-        assert state["book"] == 0 and state["offset"] == 41  # resumes inside a book
+        assert state["row"] == 0 and state["offset"] == 41  # resumes inside a book
     if (before, dp_size) == (30, 1):
-        assert state["book"] == 4 and 0 < state["offset"]  # after crossing several books, inside one
+        assert state["row"] == 4 and 0 < state["offset"]  # after crossing several books, inside one
 
 
 def test_resume_on_synthetic_and_loading_into_a_running_loader():
     tok = data.ByteTokenizer()
-    loader = data.WindowLoader(books_of("synthetic", seed=1), tok, 1000)
+    loader = data.WindowLoader(docs_of("synthetic", tok, seed=1), 1000)
     take(loader, 4)
     state = loader.state_dict()
     expected = take(loader, 3)
     loader.load_state_dict(state)  # rewinds a loader whose thread is running
     assert all(torch.equal(x, y) for x, y in zip(expected, take(loader, 3)))
     with pytest.raises(ValueError, match="same seq_len"):
-        data.WindowLoader(books_of("synthetic"), tok, 999).load_state_dict(state)
+        data.WindowLoader(docs_of("synthetic", tok), 999).load_state_dict(state)
     loader.close()
 
 
 def test_data_parallel_ranks_take_interleaved_windows(pg19):
     tok = data.ByteTokenizer()
-    single = drain(data.WindowLoader(books_of(pg19), tok, 30))
+    single = drain(data.WindowLoader(docs_of(pg19, tok), 30))
     for size in (2, 3):
-        loaders = [data.WindowLoader(books_of(pg19), tok, 30, rank, size) for rank in range(size)]
+        loaders = [data.WindowLoader(docs_of(pg19, tok), 30, rank, size) for rank in range(size)]
         per_rank = [drain(l) for l in loaders]
         rounds = len(single) // size
         for rank, windows in enumerate(per_rank):
@@ -256,21 +259,21 @@ def test_data_parallel_ranks_take_interleaved_windows(pg19):
     # After the same number of steps every rank holds the same state, that of a 1-rank run after 2x the windows.
     states = []
     for rank in range(2):
-        loader = data.WindowLoader(books_of(pg19), tok, 30, rank, 2)
+        loader = data.WindowLoader(docs_of(pg19, tok), 30, rank, 2)
         take(loader, 3)
         states.append(loader.state_dict())
         loader.close()
-    one = data.WindowLoader(books_of(pg19), tok, 30)
+    one = data.WindowLoader(docs_of(pg19, tok), 30)
     take(one, 6)
     assert states[0] == states[1] == one.state_dict()
     one.close()
     # A run may resume on another number of ranks: after 3 windows of a 1-rank run, two ranks take 3, 5 / 4, 6.
-    one = data.WindowLoader(books_of(pg19), tok, 30)
+    one = data.WindowLoader(docs_of(pg19, tok), 30)
     take(one, 3)
     state = one.state_dict()
     one.close()
     for rank in range(2):
-        loader = data.WindowLoader(books_of(pg19), tok, 30, rank, 2)
+        loader = data.WindowLoader(docs_of(pg19, tok), 30, rank, 2)
         loader.load_state_dict(state)
         assert all(torch.equal(w, single[3 + rank + 2 * k]) for k, w in enumerate(take(loader, 2)))
         loader.close()
@@ -309,7 +312,7 @@ def test_parquet_row_groups_before_start_book_are_not_read(pg19):
             CountingFS.opens += 1
             return super().open(path, mode, **kw)
 
-    books = list(data.read_books(CountingFS(), [str(pg19)], start_book=5))
+    books = list(sources.read_books(CountingFS(), [str(pg19)], start_book=5))
     assert books == [(5, BOOKS[5]), (6, BOOKS[6])]
     assert CountingFS.opens == 1 + 2  # the footer, then row groups 2 (books 4, 5) and 3 (book 6) only
 
@@ -329,16 +332,16 @@ def test_bad_sources_fail_clearly(tmp_path, pg19):
     with pytest.raises(ValueError, match=r"no field 'body'.*\['id', 'text'\]"):
         list(data.iter_books(str(write_jsonl(tmp_path / "b.jsonl", BOOKS)), text_column="body"))
     with pytest.raises(ValueError, match="seq_len"):
-        data.WindowLoader(books_of(pg19), data.ByteTokenizer(), 0)
+        data.WindowLoader(docs_of(pg19, data.ByteTokenizer()), 0)
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(ValueError, match="ran out before one window.*0 books"):
-        next_within(data.WindowLoader(books_of(tmp_path / "empty.jsonl"), data.ByteTokenizer(), 8))
+        next_within(data.WindowLoader(docs_of(tmp_path / "empty.jsonl", data.ByteTokenizer()), 8))
     # Too little data for one window per rank is the same clear error, not a hang.
     with pytest.raises(ValueError, match="ran out before one window"):
-        next_within(data.WindowLoader(books_of(pg19), data.ByteTokenizer(), 10_000))
+        next_within(data.WindowLoader(docs_of(pg19, data.ByteTokenizer()), 10_000))
     # A missing path given to the loader surfaces from its thread with its own type and message.
     with pytest.raises(FileNotFoundError, match="nothing_here"):
-        next_within(data.WindowLoader(books_of(tmp_path / "nothing_here"), data.ByteTokenizer(), 8))
+        next_within(data.WindowLoader(docs_of(tmp_path / "nothing_here", data.ByteTokenizer()), 8))
 
 
 def test_exception_in_the_thread_reaches_the_consumer():
@@ -347,7 +350,7 @@ def test_exception_in_the_thread_reaches_the_consumer():
         yield 1, "y" * 30
         raise OSError("disk on fire after 2 books")
 
-    loader = data.WindowLoader(books, data.ByteTokenizer(), 20, prefetch=1)
+    loader = data.WindowLoader(lambda start: data.tokenized(books(start), data.ByteTokenizer()), 20, prefetch=1)
     # 62 tokens arrive before the failure: two whole windows of 21, then the error instead of a third.
     assert torch.equal(torch.cat([next_within(loader), next_within(loader)]),
                        oracle_stream(["x" * 30, "y" * 30], lambda t: t.encode(), 256)[:42])
@@ -359,7 +362,7 @@ def test_exception_in_the_thread_reaches_the_consumer():
 
 
 def test_close_stops_the_thread_promptly():
-    loader = data.WindowLoader(books_of("synthetic"), data.ByteTokenizer(), 64, prefetch=2)
+    loader = data.WindowLoader(docs_of("synthetic", data.ByteTokenizer()), 64, prefetch=2)
     next(loader)
     thread = loader._thread
     time.sleep(0.05)  # the queue is full: the thread is waiting to put
@@ -395,7 +398,7 @@ class FlakyFS(LocalFileSystem):
 def test_flaky_reads_are_retried_with_backoff(pg19):
     slept = []
     fs = FlakyFS(fail={1, 3, 4})  # the footer once, then the first row group twice
-    books = list(data.read_books(fs, [str(pg19)], sleep=slept.append))
+    books = list(sources.read_books(fs, [str(pg19)], sleep=slept.append))
     assert books == list(enumerate(BOOKS))
     assert slept == [1, 1, 2]
 
@@ -405,28 +408,28 @@ def test_a_hub_that_stays_down_fails_clearly(pg19):
     fs = FlakyFS(fail=range(2, 100))  # the footer is read, every row group read fails
     with pytest.raises(RuntimeError, match=r"row group 0 of .*train-00000.*5 times.*hub could not be reached"
                                            r".*HF_TOKEN.*--data") as info:
-        list(data.read_books(fs, [str(pg19)], sleep=slept.append))
+        list(sources.read_books(fs, [str(pg19)], sleep=slept.append))
     assert isinstance(info.value.__cause__, OSError)
     assert slept == [1, 2, 4, 8]
     # Mistakes are not retried: a missing column fails at once.
     slept.clear()
     with pytest.raises(ValueError, match="no column"):
-        list(data.read_books(FlakyFS(fail=()), [str(pg19)], text_column="body", sleep=slept.append))
+        list(sources.read_books(FlakyFS(fail=()), [str(pg19)], text_column="body", sleep=slept.append))
     assert slept == []
 
 
 def test_hub_listing_filters_the_split_and_retries():
     slept = []
-    files = data.list_hub_parquet(FlakyFS(fail={1}), "someone/pg19", "refs/convert/parquet", "train", slept.append)
+    files = sources.list_hub_parquet(FlakyFS(fail={1}), "someone/pg19", "refs/convert/parquet", "train", slept.append)
     root = "datasets/someone/pg19@refs%2Fconvert%2Fparquet"
     assert files == [f"{root}/data/train-00000-of-00002.parquet", f"{root}/data/train-00001-of-00002.parquet",
                      f"{root}/default/train/0000.parquet"]
     assert slept == [1]
     with pytest.raises(RuntimeError, match="listing the parquet files of datasets/someone/pg19@main.*HF_TOKEN"):
-        data.list_hub_parquet(FlakyFS(fail=range(1, 10)), "someone/pg19", sleep=slept.append)
+        sources.list_hub_parquet(FlakyFS(fail=range(1, 10)), "someone/pg19", sleep=slept.append)
     with pytest.raises(ValueError, match="no parquet files of split 'dev'"):
-        data.list_hub_parquet(FlakyFS(fail=()), "someone/pg19", split="dev")
-    assert data.DEFAULT_PG19_REPO == "emozilla/pg19"
+        sources.list_hub_parquet(FlakyFS(fail=()), "someone/pg19", split="dev")
+    assert sources.DEFAULT_PG19_REPO == "emozilla/pg19"
 
 
 def test_pg19_source_streams_through_the_hub_file_system(pg19, monkeypatch):
@@ -435,5 +438,5 @@ def test_pg19_source_streams_through_the_hub_file_system(pg19, monkeypatch):
             assert pattern == "datasets/emozilla/pg19@main/**/*.parquet"
             return [str(pg19), str(pg19).replace("train-", "test-")]
 
-    monkeypatch.setattr(data, "HfFileSystem", FakeHub)
+    monkeypatch.setattr(sources, "HfFileSystem", FakeHub)
     assert list(data.iter_books("pg19", start_book=2)) == list(enumerate(BOOKS))[2:]

@@ -66,11 +66,12 @@ def test_evaluation_matches_full_logits_on_held_out_windows(runs):
     from model import Qwen3, Qwen3Config
     m = Qwen3(Qwen3Config.tiny()).float()
     m.init_weights(torch.Generator("cpu").manual_seed(0))
-    loader = data.WindowLoader(lambda b: data.iter_books("synthetic", seed=0, start_book=b, split="validation"),
-                               data.ByteTokenizer(), T)
+    byte = data.ByteTokenizer()
+    loader = data.WindowLoader(
+        lambda b: data.tokenized(data.iter_books("synthetic", seed=0, start_book=b, split="validation"), byte), T)
     windows = torch.stack([next(loader) for _ in range(2)])                                      # [2, T + 1]
     loader.close()
-    train = data.WindowLoader(lambda b: data.iter_books("synthetic", seed=0, start_book=b), data.ByteTokenizer(), T)
+    train = data.WindowLoader(lambda b: data.tokenized(data.iter_books("synthetic", seed=0, start_book=b), byte), T)
     assert not torch.equal(next(train), windows[0])  # held out: not the training stream's first window
     train.close()
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""data.py's rows, chat templates, training masks and packed windows, against transformers and oracles written here.
+"""chat.py's rows, chat templates and training masks, and packing.py's windows, against transformers and oracles
+written here.
 
 transformers is the reference for rendering and tokenizing (apply_chat_template on a tokenizer folder built in
 the test); Qwen3's real chat template is the fixture (Qwen/Qwen3-8B tokenizer_config.json "chat_template").
@@ -7,6 +8,7 @@ the test); Qwen3's real chat template is the fixture (Qwen/Qwen3-8B tokenizer_co
 """
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +21,10 @@ from fsspec.implementations.local import LocalFileSystem
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import chat  # noqa: E402
 import data  # noqa: E402
+import packing  # noqa: E402
+import sources  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,6 +127,19 @@ def tagged(template: str) -> str:
     return template
 
 
+def as_reasoning_content(messages):
+    """The messages with reasoning under an older name ("thinking", "reasoning") renamed reasoning_content, the
+    name Qwen3's template reads. chat.py reads the older names in every version; transformers does from some 5.x
+    on (5.24 does, 5.17 does not), so the reference renders the renamed messages: the same text in every version."""
+    renamed = []
+    for m in messages:
+        alias = next((k for k in ("thinking", "reasoning") if k in m), None)
+        if alias is not None and "reasoning_content" not in m:
+            m = {**{k: v for k, v in m.items() if k != alias}, "reasoning_content": m[alias]}
+        renamed.append(m)
+    return renamed
+
+
 def row_of(messages, tools):
     return {"messages": messages, **({"tools": tools} if tools else {})}
 
@@ -138,21 +156,22 @@ def test_the_fixture_is_qwen3s_template():
 @pytest.mark.parametrize("name", CHATS)
 def test_rendering_and_ids_match_apply_chat_template(name, hf, tok):
     messages, tools, kw = CHATS[name]
+    reference = as_reasoning_content(messages)
     for gen in (False, True):
-        want = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen, **kw)
-        assert data.render_chat(QWEN3, messages, tools, add_generation_prompt=gen, **kw) == want
-    ids, trained = data.row_document(row_of(messages, tools), tok, chat_template=QWEN3, template_kwargs=kw)
-    want_ids = hf.apply_chat_template(messages, tools=tools, tokenize=True, **kw)["input_ids"]
+        want = hf.apply_chat_template(reference, tools=tools, tokenize=False, add_generation_prompt=gen, **kw)
+        assert chat.render_chat(QWEN3, messages, tools, add_generation_prompt=gen, **kw) == want
+    ids, trained = chat.row_document(row_of(messages, tools), tok, chat_template=QWEN3, template_kwargs=kw)
+    want_ids = hf.apply_chat_template(reference, tools=tools, tokenize=True, **kw)["input_ids"]
     assert ids.dtype == np.int64 and ids.tolist() == want_ids
     assert trained.dtype == bool and trained.shape == ids.shape
 
 
 def test_enable_thinking_false_closes_an_empty_think_block(hf):
     messages = CHATS["thinking_off"][0][:1]
-    text = data.render_chat(QWEN3, messages, add_generation_prompt=True, enable_thinking=False)
+    text = chat.render_chat(QWEN3, messages, add_generation_prompt=True, enable_thinking=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert data.render_chat(QWEN3, messages, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    assert chat.render_chat(QWEN3, messages, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,12 +184,12 @@ def test_assistant_mask_matches_transformers_generation_mask(name, hf, tok):
     assistant_masks transformers makes from the tagged template."""
     messages, tools, kw = CHATS[name]
     template = tagged(QWEN3)
-    assert data.render_chat(template, messages, tools, **kw) == data.render_chat(QWEN3, messages, tools, **kw)
-    out = hf.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True, **kw)
+    assert chat.render_chat(template, messages, tools, **kw) == chat.render_chat(QWEN3, messages, tools, **kw)
+    out = hf.apply_chat_template(as_reasoning_content(messages), tools=tools, chat_template=template, tokenize=True,
+                                 return_dict=True, return_assistant_tokens_mask=True, **kw)
     want = np.asarray(out["assistant_masks"], dtype=bool)
     for t in (QWEN3, template):
-        ids, trained = data.row_document(row_of(messages, tools), tok, chat_template=t, template_kwargs=kw)
+        ids, trained = chat.row_document(row_of(messages, tools), tok, chat_template=t, template_kwargs=kw)
         assert ids.tolist() == out["input_ids"]
         np.testing.assert_array_equal(trained, want)
 
@@ -178,19 +197,19 @@ def test_assistant_mask_matches_transformers_generation_mask(name, hf, tok):
 def test_the_mask_comes_from_the_full_rendering(tok):
     """Earlier reasoning is dropped from the rendering, so it is not trained; the last turn's is. Each trained run
     is a turn's content and its <|im_end|>; headers, the newline after <|im_end|> and other roles are not."""
-    ids, trained = data.row_document(row_of(*CHATS["reasoning"][:2]), tok, chat_template=QWEN3)
-    assert data.marked(tok, ids, trained) == (
+    ids, trained = chat.row_document(row_of(*CHATS["reasoning"][:2]), tok, chat_template=QWEN3)
+    assert chat.marked(tok, ids, trained) == (
         "<|im_start|>user\nIs it sunny?<|im_end|>\n<|im_start|>assistant\n[[Yes, sunny.<|im_end|>]]\n"
         "<|im_start|>user\nAnd tomorrow?<|im_end|>\n"
         "<|im_start|>assistant\n[[<think>\nClouds are coming.\n</think>\n\nRain.<|im_end|>]]\n")
-    ids, trained = data.row_document(row_of(*CHATS["tools"][:2]), tok, chat_template=QWEN3)
-    runs = data.marked(tok, ids, trained).split("[[")[1:]
+    ids, trained = chat.row_document(row_of(*CHATS["tools"][:2]), tok, chat_template=QWEN3)
+    runs = chat.marked(tok, ids, trained).split("[[")[1:]
     assert [r.split("]]")[0] for r in runs] == [
         '<think>\nTwo cities, two calls.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
         '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
         "</tool_call><|im_end|>",
         "<think>\nBoth answered.\n</think>\n\nParis is sunny; Rome has rain.<|im_end|>"]
-    ids, trained = data.row_document(row_of(*CHATS["tools"][:2]), tok, chat_template=QWEN3,
+    ids, trained = chat.row_document(row_of(*CHATS["tools"][:2]), tok, chat_template=QWEN3,
                                      assistant_only_loss=False)
     assert trained.all()
 
@@ -209,8 +228,8 @@ def by_hand_mask(text: str, turns: list[str], offsets) -> np.ndarray:
 
 def test_assistant_mask_by_hand(tok):
     messages = CHATS["inline_think"][0]
-    ids, trained = data.row_document({"messages": messages}, tok, chat_template=QWEN3)
-    text = data.render_chat(QWEN3, messages)
+    ids, trained = chat.row_document({"messages": messages}, tok, chat_template=QWEN3)
+    text = chat.render_chat(QWEN3, messages)
     turns = ["Four.<|im_end|>", "<think>\nmultiply\n</think>\n\nTwelve.<|im_end|>"]  # the first loses its reasoning
     np.testing.assert_array_equal(trained, by_hand_mask(text, turns, tok.encode_offsets(text)[1]))
 
@@ -219,12 +238,12 @@ def test_prompt_completion_strings(hf, tok):
     row = {"prompt": "The weather in Paris is", "completion": " sunny and warm."}
     eos = tok.tokenizer.token_to_id("<|endoftext|>")
     assert tok.eos_id == eos
-    ids, trained = data.row_document(row, tok)
+    ids, trained = chat.row_document(row, tok)
     assert ids.tolist() == hf(row["prompt"] + row["completion"])["input_ids"] + [eos]
     n_prompt = len(hf(row["prompt"])["input_ids"])  # TRL's boundary; here no token straddles it
     np.testing.assert_array_equal(trained, np.arange(len(ids)) >= n_prompt)
-    assert data.marked(tok, ids, trained) == "The weather in Paris is[[ sunny and warm.<|endoftext|>]]"
-    assert data.row_document(row, tok, completion_only_loss=False)[1].all()
+    assert chat.marked(tok, ids, trained) == "The weather in Paris is[[ sunny and warm.<|endoftext|>]]"
+    assert chat.row_document(row, tok, completion_only_loss=False)[1].all()
 
 
 def test_prompt_completion_messages(hf, tok):
@@ -232,18 +251,18 @@ def test_prompt_completion_messages(hf, tok):
               {"role": "assistant", "content": "Yes, sunny."}, {"role": "user", "content": "And tomorrow?"}]
     completion = [{"role": "assistant", "content": "Rain.", "reasoning_content": "Clouds are coming."}]
     row = {"prompt": prompt, "completion": completion}
-    ids, trained = data.row_document(row, tok, chat_template=QWEN3)
+    ids, trained = chat.row_document(row, tok, chat_template=QWEN3)
     assert ids.tolist() == hf.apply_chat_template(prompt + completion, tokenize=True)["input_ids"]
-    assert data.marked(tok, ids, trained).endswith(
+    assert chat.marked(tok, ids, trained).endswith(
         "<|im_start|>assistant\n[[<think>\nClouds are coming.\n</think>\n\nRain.<|im_end|>]]\n")
-    assert data.marked(tok, ids, trained).count("[[") == 1  # the prompt's assistant turn is context
+    assert chat.marked(tok, ids, trained).count("[[") == 1  # the prompt's assistant turn is context
     # TRL's completion mask starts after the prompt rendered with its generation prompt: ours lies inside it.
     n_prompt = len(hf.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"])
     assert ids[:n_prompt].tolist() == hf.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
     assert not trained[:n_prompt].any() and trained[n_prompt:-1].all() and not trained[-1]  # the last is "\n"
     # completion_only_loss false: a conversation like a messages row (every assistant turn)
-    _, every = data.row_document(row, tok, chat_template=QWEN3, completion_only_loss=False)
-    np.testing.assert_array_equal(every, data.row_document({"messages": prompt + completion}, tok,
+    _, every = chat.row_document(row, tok, chat_template=QWEN3, completion_only_loss=False)
+    np.testing.assert_array_equal(every, chat.row_document({"messages": prompt + completion}, tok,
                                                            chat_template=QWEN3)[1])
     assert every.sum() > trained.sum()
 
@@ -253,8 +272,8 @@ def test_a_byte_tokenizer_marks_characters_not_bytes():
     assert ids.tolist() == list("aé東".encode()) and offsets[:, 0].tolist() == [0, 1, 1, 2, 2, 2]
     template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     row = {"messages": [{"role": "user", "content": "né?"}, {"role": "assistant", "content": "oui, né"}]}
-    ids, trained = data.row_document(row, data.ByteTokenizer(), chat_template=template)
-    assert data.marked(data.ByteTokenizer(), ids, trained) == \
+    ids, trained = chat.row_document(row, data.ByteTokenizer(), chat_template=template)
+    assert chat.marked(data.ByteTokenizer(), ids, trained) == \
         "<|im_start|>user\nné?<|im_end|>\n<|im_start|>assistant\n[[oui, né<|im_end|>]]\n"
 
 
@@ -267,23 +286,23 @@ def test_load_chat_template_and_template_variables(tmp_path, hf):
     folder = write_model(tmp_path / "listed", {
         "bos_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True},  # older configs
         "chat_template": [{"name": "tool_use", "template": "{{ 'tools' }}"}, {"name": "default", "template": simple}]})
-    assert data.load_chat_template(folder) == simple
-    assert data.template_variables(folder) == {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+    assert chat.load_chat_template(folder) == simple
+    assert chat.template_variables(folder) == {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
                                                "pad_token": "<|endoftext|>"}
     rows = tmp_path / "chat.jsonl"
     messages = CHATS["plain"][0]
     rows.write_text(json.dumps({"messages": messages}) + "\n")
     tok = data.load_tokenizer(str(folder))
-    [(index, doc)] = list(data.iter_documents(str(rows), tok))
+    [(index, doc)] = list(chat.iter_documents(str(rows), tok))
     assert index == 0
     reference = transformers.AutoTokenizer.from_pretrained(str(folder))
     assert doc.ids.tolist() == reference.apply_chat_template(messages, tokenize=True)["input_ids"]
     assert tok.decode(doc.ids[:1]) == "<|endoftext|>"  # the template's bos_token
     (folder / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins, as in transformers
-    assert data.load_chat_template(folder) == "{{ messages[0].content }}"
+    assert chat.load_chat_template(folder) == "{{ messages[0].content }}"
     nameless = write_model(tmp_path / "nameless", {"chat_template": [{"name": "rag", "template": "x"}]})
     with pytest.raises(ValueError, match=r"chat templates \['rag'\] and none named 'default'"):
-        data.load_chat_template(nameless)
+        chat.load_chat_template(nameless)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,8 +336,8 @@ def test_bad_rows_are_skipped_with_one_line_each(tmp_path, tok):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(lines) + "\n")
     said = []
-    loader = data.WindowLoader(lambda r: data.iter_documents(str(path), tok, start_row=r), tok, 16,
-                               packing="docs", log=said.append)
+    loader = packing.PackedLoader(lambda r: chat.iter_documents(str(path), tok, start_row=r), 16, tok.eos_id,
+                                  log=said.append)
     windows = drain(loader)
     assert said == [
         "data: rows.jsonl line 2: unknown role 'robot' (roles: system, user, assistant, tool); row skipped",
@@ -334,7 +353,7 @@ def test_bad_rows_are_skipped_with_one_line_each(tmp_path, tok):
         "data: rows.jsonl line 12: the chat template rendered 2 assistant turns for 1 assistant messages; "
         "row skipped"]
     assert loader.skipped == 9 and loader.state_dict()["skipped"] == 9
-    good_pairs = sum(len(data.row_document(r, tok, chat_template=QWEN3)[0]) - 1
+    good_pairs = sum(len(chat.row_document(r, tok, chat_template=QWEN3)[0]) - 1
                      for r in (good, json.loads(lines[9])))
     assert sum(T - w.pad for w in windows for T in [16]) == good_pairs
 
@@ -344,8 +363,8 @@ def test_a_template_that_raises_skips_the_row(tmp_path, tok):
                 "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (CHATS["no_system"][0], CHATS["plain"][0])))
-    docs = list(data.iter_documents(str(path), tok, chat_template=template))
-    assert isinstance(docs[0][1], data.Document) and docs[1] == (1, data.Skipped(
+    docs = list(chat.iter_documents(str(path), tok, chat_template=template))
+    assert isinstance(docs[0][1], data.Document) and docs[1] == (1, sources.Skipped(
         "chats.jsonl line 2", "the chat template failed: TemplateError: no system role, sorry"))
 
 
@@ -353,14 +372,14 @@ def test_parquet_rows_name_the_row(tmp_path, tok):
     messages = [CHATS["no_system"][0], [{"role": "robot", "content": "x"}], CHATS["reasoning"][0]]
     path = tmp_path / "chats.parquet"
     pq.write_table(pa.table({"messages": messages, "id": [1, 2, 3]}), path, row_group_size=2)
-    docs = list(data.iter_documents(str(path), tok, start_row=1))
-    assert docs[0] == (1, data.Skipped("chats.parquet row 2", "unknown role 'robot' (roles: system, user, "
+    docs = list(chat.iter_documents(str(path), tok, start_row=1))
+    assert docs[0] == (1, sources.Skipped("chats.parquet row 2", "unknown role 'robot' (roles: system, user, "
                                                               "assistant, tool)"))
     # Structs come back with every field: a null reasoning_content is left out, as transformers does.
-    want = data.row_document({"messages": messages[2]}, tok, chat_template=QWEN3)
+    want = chat.row_document({"messages": messages[2]}, tok, chat_template=QWEN3)
     assert docs[1][0] == 2 and docs[1][1].where == "chats.parquet row 3"
     assert docs[1][1].ids.tolist() == want[0].tolist() and docs[1][1].trained.tolist() == want[1].tolist()
-    assert data.default_packing(str(path)) == "docs"
+    assert chat.default_packing(str(path)) == "docs"
 
 
 def test_conversations_stream_from_the_hub(tmp_path, tok, monkeypatch):
@@ -372,20 +391,19 @@ def test_conversations_stream_from_the_hub(tmp_path, tok, monkeypatch):
             assert pattern == "datasets/someone/chats@main/**/*.parquet"
             return [str(path)]
 
-    monkeypatch.setattr(data, "HfFileSystem", FakeHub)
-    docs = list(data.iter_documents("pg19", tok, repo="someone/chats", start_row=1))
+    monkeypatch.setattr(sources, "HfFileSystem", FakeHub)
+    docs = list(chat.iter_documents("pg19", tok, repo="someone/chats", start_row=1))
     assert [(i, d.where) for i, d in docs] == [(1, "train-00000-of-00001.parquet row 2")]
-    assert docs[0][1].ids.tolist() == data.row_document({"messages": CHATS["reasoning"][0]}, tok,
+    assert docs[0][1].ids.tolist() == chat.row_document({"messages": CHATS["reasoning"][0]}, tok,
                                                         chat_template=QWEN3)[0].tolist()
-    assert data.default_packing("pg19", repo="someone/chats") == "docs" and data.default_packing("pg19") == "concat"
+    assert chat.default_packing("pg19", repo="someone/chats") == "docs" and chat.default_packing("pg19") == "concat"
 
 
 def test_bad_files_and_a_missing_template_stop_with_one_line(tmp_path, tok):
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
-    for loader in (data.WindowLoader(lambda r: data.iter_documents(str(latin1), tok, start_row=r), tok, 4,
-                                     packing="docs"),
-                   data.WindowLoader(lambda r: data.iter_books(str(latin1), start_book=r), tok, 4)):
+    for loader in (packing.PackedLoader(lambda r: chat.iter_documents(str(latin1), tok, start_row=r), 4, tok.eos_id),
+                   data.WindowLoader(lambda r: data.tokenized(data.iter_books(str(latin1), start_book=r), tok), 4)):
         with pytest.raises(ValueError, match=r"latin1.jsonl is not UTF-8 text \(line 2, byte 13: .*convert it"):
             drain(loader)
     (tmp_path / "book.txt").write_bytes(b"\xff\xfeh\x00i\x00")
@@ -395,8 +413,8 @@ def test_bad_files_and_a_missing_template_stop_with_one_line(tmp_path, tok):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(r) + "\n" for r in (  # text and prompt/completion strings need no template
         {"text": "a book first"}, {"prompt": "Say hi:", "completion": " hi"}, {"messages": CHATS["plain"][0]})))
-    loader = data.WindowLoader(lambda r: data.iter_documents(str(chats), data.load_tokenizer(str(bare)), start_row=r),
-                               tok, 4, packing="docs")
+    loader = packing.PackedLoader(lambda r: chat.iter_documents(str(chats), data.load_tokenizer(str(bare)),
+                                                                start_row=r), 4, tok.eos_id)
     with pytest.raises(ValueError) as info:
         drain(loader)
     assert str(info.value) == (f"chats.jsonl line 3 is a conversation, but there is no chat template in {bare}: "
@@ -408,17 +426,18 @@ def test_the_text_path_names_file_and_line(tmp_path, tok):
     path = tmp_path / "books.jsonl"
     path.write_text(json.dumps({"text": books[0]}) + "\n" + json.dumps({"text": books[1]})[:-3] + "\n"
                     + json.dumps({"text": books[2]}) + "\n")
-    assert list(data.iter_books(str(path)))[1] == (1, data.Skipped(
+    assert list(data.iter_books(str(path)))[1] == (1, sources.Skipped(
         "books.jsonl line 2", "malformed JSON (Unterminated string starting at: column 10)"))
     said = []
     byte = data.ByteTokenizer()
-    loader = data.WindowLoader(lambda b: data.iter_books(str(path), start_book=b), byte, 5, log=said.append)
+    loader = data.WindowLoader(lambda b: data.tokenized(data.iter_books(str(path), start_book=b), byte), 5,
+                               log=said.append)
     stream = torch.tensor([x for b in (books[0], books[2]) for x in list(b.encode()) + [256]])
     assert torch.equal(torch.cat(drain(loader)), stream[:len(stream) // 6 * 6])
     assert said == ["data: books.jsonl line 2: malformed JSON (Unterminated string starting at: column 10); "
                     "row skipped"] and loader.skipped == 1
     # iter_documents makes the same concat stream from text rows
-    same = data.WindowLoader(lambda b: data.iter_documents(str(path), byte, start_row=b), byte, 5, log=said.append)
+    same = data.WindowLoader(lambda b: chat.iter_documents(str(path), byte, start_row=b), 5, log=said.append)
     assert torch.equal(torch.cat(drain(same)), stream[:len(stream) // 6 * 6])
     with pytest.raises(ValueError, match=r"books.jsonl line 1 has no field 'body'"):
         list(data.iter_books(str(path), text_column="body"))
@@ -426,8 +445,8 @@ def test_the_text_path_names_file_and_line(tmp_path, tok):
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": CHATS["plain"][0]}) + "\n")
     with pytest.raises(ValueError, match="chats.jsonl line 1: packing 'concat' trains on every token.*packing 'docs'"):
-        drain(data.WindowLoader(lambda r: data.iter_documents(str(chats), tok, start_row=r), tok, 8))
-    assert data.default_packing(str(chats)) == "docs" and data.default_packing(str(path)) == "concat"
+        drain(data.WindowLoader(lambda r: chat.iter_documents(str(chats), tok, start_row=r), 8))
+    assert chat.default_packing(str(chats)) == "docs" and chat.default_packing(str(path)) == "concat"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,7 +489,7 @@ def mixed(tmp_path, tok):
             {"messages": CHATS["no_system"][0]}, {"title": "nothing"}, {"text": "The end."}]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    docs = [data.row_document(r, tok, chat_template=QWEN3) for k, r in enumerate(rows) if k not in (3, 8)]
+    docs = [chat.row_document(r, tok, chat_template=QWEN3) for k, r in enumerate(rows) if k not in (3, 8)]
     return path, docs
 
 
@@ -481,12 +500,12 @@ def test_packed_windows_match_the_oracle(mixed, tok, T):
     for ranks in (1, 2, 3):
         want = oracle_windows(docs, T, tok.eos_id, ranks)
         for rank in range(ranks):
-            loader = data.WindowLoader(lambda r: data.iter_documents(str(path), tok, start_row=r), tok, T,
-                                       dp_rank=rank, dp_size=ranks, packing="docs", log=lambda line: None)
+            loader = packing.PackedLoader(lambda r: chat.iter_documents(str(path), tok, start_row=r), T, tok.eos_id,
+                                          dp_rank=rank, dp_size=ranks, log=lambda line: None)
             got = drain(loader)
             assert len(got) == len(want) // ranks  # every rank the same number of windows
             for w, (inputs, labels, lens, pad, untrained) in zip(got, want[rank::ranks]):
-                assert isinstance(w, data.Window) and w.inputs.dtype == w.labels.dtype == torch.int64
+                assert isinstance(w, packing.Window) and w.inputs.dtype == w.labels.dtype == torch.int64
                 assert w.inputs.tolist() == inputs and w.labels.tolist() == labels
                 assert w.doc_lens == lens and sum(w.doc_lens) == T
                 assert (w.pad, w.untrained) == (pad, untrained)
@@ -498,44 +517,50 @@ def test_a_long_document_is_split_and_its_continuation_starts_over(tok):
     ids = np.arange(10, 10 + 23, dtype=np.int64)
     trained = np.ones(23, dtype=bool)
     trained[:5] = False  # a prompt of 5 tokens
-    books = lambda start: iter([(0, data.Document(ids, trained, "doc"))][start:])  # noqa: E731
-    windows = drain(data.WindowLoader(books, tok, 10, dp_size=1, packing="docs"))
+    docs = lambda start: iter([(0, data.Document(ids, trained, "doc"))][start:])  # noqa: E731
+    windows = drain(packing.PackedLoader(docs, 10, tok.eos_id, dp_size=1))
     assert [w.doc_lens for w in windows] == [[10], [10], [2, 8]]  # 22 pairs: 10, 10, then 2 and padding
     assert torch.cat([w.inputs for w in windows])[:22].tolist() == ids[:-1].tolist()
     assert torch.cat([w.labels for w in windows])[:22].tolist() == [-100] * 4 + ids[5:].tolist()
     assert [(w.pad, w.untrained) for w in windows] == [(0, 4), (0, 0), (8, 0)]
-    assert data.doc_positions(windows[2].doc_lens).tolist() == [0, 1] + list(range(8))
+    assert [w.documents for w in windows] == [1, 1, 1]  # the padding is no document
+    assert packing.doc_positions(windows[2].doc_lens).tolist() == [0, 1] + list(range(8))
     assert windows[2].inputs[2:].tolist() == [tok.eos_id] * 8 and (windows[2].labels[2:] == -100).all()
     # dp 2: a third window is padding through and through, so both ranks get two
-    two = [drain(data.WindowLoader(books, tok, 10, dp_rank=r, dp_size=2, packing="docs")) for r in (0, 1)]
+    two = [drain(packing.PackedLoader(docs, 10, tok.eos_id, dp_rank=r, dp_size=2)) for r in (0, 1)]
     assert [len(w) for w in two] == [2, 2] and two[1][1].doc_lens == [10] and two[1][1].pad == 10
-    assert (two[1][1].labels == -100).all() and two[1][1].untrained == 0
+    assert (two[1][1].labels == -100).all() and two[1][1].untrained == 0 and two[1][1].documents == 0
+
+
+def concat_view(w: torch.Tensor) -> packing.Window:
+    """A concat window w [T + 1] seen as a packed Window: one document, every label kept."""
+    return packing.Window(w[:-1], w[1:], [w.numel() - 1], 0, 0)
 
 
 def test_doc_positions_and_the_concat_view():
     lens = [3, 1, 5, 2]
     want = [i for n in lens for i in range(n)]
-    assert data.doc_positions(lens).tolist() == want and data.doc_positions(lens).dtype == torch.int64
+    assert packing.doc_positions(lens).tolist() == want and packing.doc_positions(lens).dtype == torch.int64
     w = torch.arange(8)
-    view = data.Window.from_concat(w)
+    view = concat_view(w)
     assert view.inputs.tolist() == list(range(7)) and view.labels.tolist() == list(range(1, 8))
     assert view.doc_lens == [7] and (view.pad, view.untrained) == (0, 0)
-    assert data.doc_positions(view.doc_lens).tolist() == list(range(7))
+    assert packing.doc_positions(view.doc_lens).tolist() == list(range(7))
 
 
 @pytest.mark.parametrize("before, ranks", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
 def test_packed_resume_gives_the_same_windows(mixed, tok, before, ranks):
     path, _ = mixed
-    books = lambda r: data.iter_documents(str(path), tok, start_row=r)  # noqa: E731
+    docs = lambda r: chat.iter_documents(str(path), tok, start_row=r)  # noqa: E731
     for rank in range(ranks):
-        first = data.WindowLoader(books, tok, 23, rank, ranks, prefetch=8, packing="docs", log=lambda line: None)
-        whole = drain(data.WindowLoader(books, tok, 23, rank, ranks, packing="docs", log=lambda line: None))
+        first = packing.PackedLoader(docs, 23, tok.eos_id, rank, ranks, prefetch=8, log=lambda line: None)
+        whole = drain(packing.PackedLoader(docs, 23, tok.eos_id, rank, ranks, log=lambda line: None))
         for _ in range(before):
             next(first)
         state = json.loads(json.dumps(first.state_dict()))
         skipped = first.skipped
         rest = drain(first)
-        fresh = data.WindowLoader(books, tok, 23, rank, ranks, prefetch=1, packing="docs", log=lambda line: None)
+        fresh = packing.PackedLoader(docs, 23, tok.eos_id, rank, ranks, prefetch=1, log=lambda line: None)
         fresh.load_state_dict(state)
         assert fresh.skipped == skipped
         again = drain(fresh)
@@ -548,15 +573,37 @@ def test_packed_resume_gives_the_same_windows(mixed, tok, before, ranks):
     if (before, ranks) == (2, 1):
         assert state["offset"] > 0 and state["packing"] == "docs"  # resumes inside a split document
     with pytest.raises(ValueError, match="packed with 'docs'.*same packing"):
-        data.WindowLoader(books, tok, 23).load_state_dict(state)
+        data.WindowLoader(docs, 23).load_state_dict(state)
 
 
 def test_the_command_line_marks_what_is_trained(mixed, model, capsys):
     path, _ = mixed
-    data.main([str(path), "--tokenizer", str(model), "--seq_len", "64", "--windows", "2"])  # docs, by the rows
+    chat.main([str(path), "--tokenizer", str(model), "--seq_len", "64", "--windows", "2"])  # docs, by the rows
     out = capsys.readouterr()
     assert "mixed.jsonl line 1, " in out.out
     assert "<|im_start|>assistant\n[[<think>\n\n</think>\n\nHi. How are you?<|im_end|>]]\n" in out.out
     assert "window 0: " in out.out and "documents, padding 0.0%, not trained" in out.out
     assert "'packing': 'docs'" in out.out
     assert "data: mixed.jsonl line 4: unknown role 'robot'" in out.err
+
+
+def test_marked_context_shortens_untrained_text_only(tok):
+    ids, trained = chat.row_document(row_of(*CHATS["tools"][:2]), tok, chat_template=QWEN3)
+    full, short = chat.marked(tok, ids, trained), chat.marked(tok, ids, trained, context=2)
+    system = full.split("[[")[0].split("\n")  # the system prompt with its tools, up to the first trained run
+    assert len(system) > 5
+    assert short.split("[[")[0] == "\n".join(system[:2] + [f"[... {len(system) - 4} lines left out ...]"] + system[-2:])
+    assert re.findall(r"\[\[.*?\]\]", short, re.S) == re.findall(r"\[\[.*?\]\]", full, re.S)
+
+
+def test_the_command_line_says_what_it_leaves_out(mixed, model, tok, capsys):
+    """The first document is cut at --excerpt, saying how much is left out; the padding is not counted as a
+    document."""
+    path, docs = mixed
+    chat.main([str(path), "--tokenizer", str(model), "--seq_len", "4096", "--windows", "1", "--excerpt", "40"])
+    out = capsys.readouterr().out
+    text = chat.marked(tok, *docs[0])
+    assert text[40:].count("[[") == 1
+    assert f"{text[:40]} ... {len(text) - 40:,} more characters not shown, [[ ]] in them: 1\n" in out
+    assert sum(len(ids) - 1 for ids, _ in docs) < 4096  # one window: every document, then padding
+    assert f"window 0: {len(docs)} documents, padding " in out

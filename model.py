@@ -243,17 +243,10 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
-def causal_attention(q, k, v, doc_lens=None):
-    """Default attn_fn: q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D]; GQA without repeating K/V.
-    doc_lens (lengths summing to T): a query sees only its own document's keys, through a [T, T] mask (one
-    device, tests and short evaluation; the ring never builds one)."""
-    if doc_lens is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if sum(doc_lens) != q.shape[2]:
-        raise ValueError(f"doc_lens sum to {sum(doc_lens)}, not to the {q.shape[2]} tokens of the window")
-    doc = torch.arange(len(doc_lens), device=q.device).repeat_interleave(torch.tensor(doc_lens, device=q.device))
-    mask = (doc[:, None] == doc[None, :]).tril()  # [T, T]: same document, key not after query
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def causal_attention(q, k, v):
+    """Default attn_fn (one device, one sequence): q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D]; GQA
+    without repeating K/V. Windows of documents: documents.masked_attention."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def _docs(doc_lens):

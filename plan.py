@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import parallel
+from documents import document_area, parse_doc_lens
 from model import Qwen3Config, pinned_size
 
 
@@ -182,30 +182,6 @@ def attention_flops(s: Shape, lv: Levers) -> float:
     blocks that recompute it; with packed documents, only the mask's area (attn_area)."""
     recomputed = (s.layers - lv.keep_attention_layers) / s.layers
     return attention_fwd_flops(s) / s.cp * (1 + 2.5 + recomputed) * s.attn_area
-
-
-def document_area(doc_lens, cp, balanced=True) -> float:
-    """Shape.attn_area of a window of documents (their lengths, in order) over cp ranks sharded as train.py shards
-    it (parallel.cp_layout): the busiest rank's area of the document mask over its share of the full triangle."""
-    t = sum(doc_lens)
-    layout = parallel.cp_layout(cp, tuple(doc_lens), balanced)
-    areas = parallel.chunk_areas(doc_lens, cp * len(layout[0]))
-    return max(sum(areas[j] for j in held) for held in layout) / (t * (t + 1) / 2 / cp)
-
-
-def parse_doc_lens(text: str) -> tuple:
-    """'65536,65536' or '4x65536' or '2x8192,16384' -> a tuple of document lengths."""
-    try:
-        out = []
-        for item in text.split(","):
-            n, _, length = item.strip().rpartition("x")
-            out += [int(length)] * int(n or 1)
-    except ValueError:
-        raise ValueError(f"--doc_lens {text!r}: want lengths separated by commas, each LENGTH or COUNTxLENGTH, "
-                         "e.g. 4x65536 or 8192,16384") from None
-    if not out or min(out) < 1:
-        raise ValueError(f"--doc_lens {text!r}: document lengths must be positive")
-    return tuple(out)
 
 
 def gemm_flops(s: Shape) -> float:

@@ -18,6 +18,7 @@ saving, main.
 import contextlib
 import dataclasses
 import datetime
+import functools
 import difflib
 import inspect
 import json
@@ -44,6 +45,8 @@ from torch.distributed.rendezvous import rendezvous
 import chat
 import checkpoint
 import data
+import documents
+import kernels
 import optim
 import packing
 import parallel
@@ -96,7 +99,7 @@ class TrainConfig:
                                   # unless --stochastic_rounding true
     stochastic_rounding: bool = False  # with --param_dtype bfloat16: updates computed in fp32, rounded to bf16 at
                                        # random (optim.py): small updates kept on average, 8 bytes per parameter
-    attn_backend: str = "auto"    # auto | fa4 | cudnn | flash: the CUDA attention kernels (parallel.py)
+    attn_backend: str = "auto"    # auto | fa4 | cudnn | flash: the CUDA attention kernels (kernels.py)
     # memory levers (model.py, section 2). With --fit auto, plan.py sets those not given on the command line
     fit: str = "auto"             # auto: the fastest levers predicted to fit this node (plan.py) | off: as given
     gpu_mem_gib: float = 0.0      # GPU memory per rank the plan may use (0 = what is free on the GPU now)
@@ -442,15 +445,18 @@ def setup(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Setup:
     torch.manual_seed(cfg.seed)
     # A context-parallel group is cp consecutive ranks: one node when it fits
     mesh = init_device_mesh(cfg.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    attn = parallel.RingAttention(mesh.get_group("cp"), cfg.attn_backend, cfg.doc_attention == "balanced")
+    schedule = parallel.zigzag_schedule
+    if cfg.packing != "concat":  # windows of documents: the ring computes only the blocks inside them
+        schedule = functools.partial(documents.schedule, balanced=cfg.doc_attention == "balanced")
+    attn = parallel.RingAttention(mesh.get_group("cp"), kernels.Kernels(cfg.attn_backend), schedule)
     model, mcfg, path, shapes = build_model(cfg, given, mesh, attn, device, log)
     n_params = sum(math.prod(s) for s in shapes.values())
     moe = (f" ({human_count(plan.Shape.of(mcfg, 1, 1, 1, 1).active_params)} active: top-{mcfg.num_experts_per_tok} "
            f"of {mcfg.num_experts} experts" + (", load-balancing loss" if mcfg.output_router_logits else "") + ")"
            if mcfg.num_experts else "")
     log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {human_count(n_params)} parameters{moe}, "
-        f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}"
-        + (f" ({parallel.fa4_unavailable()})" if cfg.attn_backend == "auto" and attn.backend == "cudnn" else ""))
+        f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.kernels.backend}"
+        + (f" ({kernels.fa4_unavailable()})" if cfg.attn_backend == "auto" and attn.kernels.backend == "cudnn" else ""))
     return Setup(mesh, model, mcfg, path, shapes, device)
 
 
@@ -507,7 +513,7 @@ def plan_shape(cfg: TrainConfig, mcfg, world: int) -> plan.Shape:
     return plan.Shape.of(mcfg, cfg.seq_len, cfg.cp or world, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
                          act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
-                         attn_backend=parallel.resolve_backend(cfg.attn_backend),
+                         attn_backend=kernels.resolve_backend(cfg.attn_backend),
                          stochastic_rounding=cfg.stochastic_rounding)
 
 
@@ -618,8 +624,9 @@ def make_batches(cfg: TrainConfig, s: Setup, source: str, split: str, grad_accum
         return packing.PackedLoader(docs, cfg.seq_len, tok.eos_id, dp_rank=dp_rank, dp_size=dp)
     if concat:
         return data.Batches(make_loader, cfg.seq_len, grad_accum, s.mesh.get_group("cp"), s.device)
-    # cp_shard takes the window's doc_lens as its layout and balances them; None: zigzag
-    layout_of = (lambda doc_lens: doc_lens) if cfg.doc_attention == "balanced" else (lambda doc_lens: None)
+    # each window's chunks go to ranks by its documents' masked area (documents.py), or zigzag with "simple"
+    layout_of = functools.partial(documents.cp_layout, s.mesh.get_group("cp").size(),
+                                  balanced=cfg.doc_attention == "balanced")
     return packing.PackedBatches(make_loader, cfg.seq_len, grad_accum, s.mesh.get_group("cp"), s.device,
                                  layout_of=layout_of)
 

@@ -1,4 +1,4 @@
-"""The attention backward in groups of heads (parallel._attn_bwd, heads_per_call): time and peak memory of one
+"""The attention backward in groups of heads (kernels.attn_bwd, heads_per_call): time and peak memory of one
 causal backward on a GPU, for each group size, at the Qwen3 shapes of the training benchmark.
 
     python bench/attn_heads.py                        # Qwen3-4B (32/8 heads) and 1.7B (16/8), 32k and 131k
@@ -18,7 +18,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-from parallel import _attn_bwd, _attn_fwd  # noqa: E402
+from kernels import attn_bwd, attn_fwd  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
 
 
@@ -37,13 +37,13 @@ def main():
                    for _ in range(2))
         k, v = (torch.randn(1, t, hkv, 128, device=dev, generator=gen, dtype=torch.bfloat16).transpose(1, 2)
                 for _ in range(2))
-        out, lse = _attn_fwd(q, k, v, True)
+        out, lse = attn_fwd(q, k, v, True)
         ref = None
         flops = 2.5 * 4 * t * t * hq * 128 / 2  # backward ~2.5x the causal forward's 4*T^2*H*D/2
         for n in map(int, args.per_call.split(",")):
             if n > hq:
                 continue
-            run = functools.partial(_attn_bwd, dout, q, k, v, out, lse, True, heads_per_call=n)
+            run = functools.partial(attn_bwd, dout, q, k, v, out, lse, True, heads_per_call=n)
             grads = run()
             torch.cuda.synchronize()
             if ref is None:

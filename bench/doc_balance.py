@@ -22,6 +22,7 @@ length; s/step is the median after the first step. The cost model's prediction f
 with the levers the run chose and its attn_area (the busiest rank's masked area, from metrics.jsonl).
 """
 import argparse
+import functools
 import json
 import os
 import random
@@ -33,6 +34,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import documents  # noqa: E402
+import kernels  # noqa: E402
 import parallel  # noqa: E402
 import plan  # noqa: E402
 from packed_docs import run  # noqa: E402
@@ -75,26 +78,26 @@ def attn(a):
                              area=sum(n * (n + 1) for n in lens) / (seq * (seq + 1))), {}
             for mode in ("balanced", "simple"):
                 balanced = mode == "balanced"
-                docs = None if len(lens) == 1 else (lens, balanced)
-                qs, ks, vs, douts = ([parallel.cp_shard(x.transpose(1, 2), 1, r, a.cp, lens, balanced).transpose(1, 2)
+                schedule = functools.partial(documents.schedule, doc_lens=lens, balanced=balanced)
+                layout = documents.cp_layout(a.cp, lens, balanced)
+                qs, ks, vs, douts = ([parallel.cp_shard(x.transpose(1, 2), 1, r, a.cp, layout).transpose(1, 2)
                                       for r in range(a.cp)] for x in (q, k, v, dout))
                 fwd_ms, bwd_ms, fwd = [], [], []
                 for r in range(a.cp):
-                    fwd_ms.append(1e3 * median_seconds(lambda: rank_forward(qs, ks, vs, r, docs), device,
+                    fwd_ms.append(1e3 * median_seconds(lambda: rank_forward(qs, ks, vs, r, schedule), device,
                                                        a.iters, a.warmup))
-                    fwd.append(rank_forward(qs, ks, vs, r, docs))
+                    fwd.append(rank_forward(qs, ks, vs, r, schedule))
                     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
                     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
                     bwd_ms.append(1e3 * median_seconds(
-                        lambda: rank_backward(douts, qs, ks, vs, fwd[r], r, dks, dvs, docs), device, a.iters,
+                        lambda: rank_backward(douts, qs, ks, vs, fwd[r], r, dks, dvs, schedule), device, a.iters,
                         a.warmup))
-                outs[mode] = parallel.cp_unshard([o for o, _ in fwd], 2, lens, balanced)
+                outs[mode] = parallel.cp_unshard([o for o, _ in fwd], 2, layout)
                 total = [f + b for f, b in zip(fwd_ms, bwd_ms)]
-                layout = parallel.cp_layout(a.cp, lens, balanced)
                 row[mode] = dict(rank_fwd_ms=fwd_ms, rank_bwd_ms=bwd_ms, rank_total_ms=total,
                                  imbalance=max(total) * len(total) / sum(total) - 1, chunks_per_rank=len(layout[0]),
-                                 ring_steps=1 + parallel._last_step(docs, a.cp),
-                                 predicted_area=plan.document_area(lens, a.cp, balanced))
+                                 ring_steps=1 + schedule(0, a.cp, seq // a.cp).last,
+                                 predicted_area=documents.document_area(lens, a.cp, balanced))
                 del qs, ks, vs, douts, fwd
             row["balanced_vs_simple_rel"] = rel(outs["balanced"], outs["simple"])
             results.append(row)
@@ -105,7 +108,7 @@ def attn(a):
                   + " ".join(f"{t:7.1f}" for t in s["rank_total_ms"]) + f" ms, imbalance {s['imbalance']:5.1%} | "
                   f"outputs differ {row['balanced_vs_simple_rel']:.1e}", flush=True)
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                fa4=parallel.resolve_backend() == "fa4", seq_len=seq, cp=a.cp, iters=a.iters, attn=results)
+                fa4=kernels.resolve_backend() == "fa4", seq_len=seq, cp=a.cp, iters=a.iters, attn=results)
 
 
 def write_docs(path, lens, seed=0):
@@ -122,7 +125,7 @@ def predicted(a, r):
     if r.get("levers") is None:
         return None
     mcfg = plan.Qwen3Config.from_pretrained(os.path.join(ROOT, "bench", "configs", a.model))
-    s = plan.Shape.of(mcfg, a.seq_len, a.nproc, a.nproc, a.nproc, attn_backend=parallel.resolve_backend())
+    s = plan.Shape.of(mcfg, a.seq_len, a.nproc, a.nproc, a.nproc, attn_backend=kernels.resolve_backend())
     s = plan.replace(s, attn_area=statistics.mean(r["attn_area"]))
     return plan.step_seconds(s, plan.Levers(*r["levers"]))
 
@@ -146,7 +149,7 @@ def steps(a):
             print(f"{r['name']:24} {r['s_per_step']:7.2f} s/step (predicted {r['predicted_s'] or float('nan'):6.2f})"
                   f", peak {r['peak_mem_gib']:.1f} GiB, attn_area {statistics.mean(r['attn_area']):.4f}", flush=True)
     return dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", model=a.model,
-                seq_len=a.seq_len, nproc=a.nproc, backend=parallel.resolve_backend(), param_dtype="float32",
+                seq_len=a.seq_len, nproc=a.nproc, backend=kernels.resolve_backend(), param_dtype="float32",
                 runs=results)
 
 

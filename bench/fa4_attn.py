@@ -1,5 +1,5 @@
 """FlashAttention-4 against cuDNN at the training shapes, one GPU, through the functions the ring calls
-(parallel._attn_fwd / _attn_bwd with a backend).
+(kernels.attn_fwd / attn_bwd with a backend).
 
     python bench/fa4_attn.py                        # H200: Qwen3-4B heads (32 q / 8 kv, d 128), bf16, ~1.5 min
     python bench/fa4_attn.py --seq_len 8192 --iters 2   # a quick look
@@ -24,6 +24,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+import kernels  # noqa: E402
 import parallel  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
 
@@ -79,9 +80,9 @@ def main():
     for backend in args.backends.split(","):
         for name, (qr, kc, causal) in blocks.items():
             qb, kb, vb, db = q[:, :, qr], k[:, :, kc], v[:, :, kc], dout[:, :, qr]
-            fwd = functools.partial(parallel._attn_fwd, qb, kb, vb, causal, backend)
+            fwd = functools.partial(kernels.attn_fwd, qb, kb, vb, causal, backend)
             (out, lse), first_fwd = wall(fwd)
-            bwd = functools.partial(parallel._attn_bwd, db, qb, kb, vb, out, lse, causal, backend=backend)
+            bwd = functools.partial(kernels.attn_bwd, db, qb, kb, vb, out, lse, causal, backend=backend)
             grads, first_bwd = wall(bwd)
             if name not in ref:
                 ref[name] = (out, grads[0])
@@ -90,7 +91,7 @@ def main():
 
             def fwd_bwd():
                 o, l = fwd()
-                return parallel._attn_bwd(db, qb, kb, vb, o, l, causal, backend=backend)
+                return kernels.attn_bwd(db, qb, kb, vb, o, l, causal, backend=backend)
 
             fwd_s = median_seconds(fwd, dev, args.iters, 1)
             both_s = median_seconds(fwd_bwd, dev, args.iters, 1)
@@ -100,7 +101,7 @@ def main():
                        fwd_tflops=round(flops / fwd_s / 1e12, 1), fwd_bwd_tflops=round(3.5 * flops / both_s / 1e12, 1),
                        rel_diff_vs_first_backend=err, bwd_by_heads_per_call=[])
             for n in map(int, args.per_call.split(",")):
-                run = functools.partial(parallel._attn_bwd, db, qb, kb, vb, out, lse, causal, heads_per_call=n,
+                run = functools.partial(kernels.attn_bwd, db, qb, kb, vb, out, lse, causal, heads_per_call=n,
                                         backend=backend)
                 run()  # compiles a new variant where the head count is part of it
                 sync()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+import kernels  # noqa: E402
 import parallel  # noqa: E402
 from fa4_attn import rel  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
@@ -51,7 +52,7 @@ def main():
         del whole
     results = []
     for backend in args.backends.split(","):
-        attn = parallel.RingAttention(group, backend)
+        attn = parallel.RingAttention(group, kernels.Kernels(backend))
 
         def ring():
             dist.barrier()
@@ -73,15 +74,15 @@ def main():
             wq, wk, wv, wd = (x.transpose(1, 2) for x in whole)
 
             def single():
-                out, lse = parallel._attn_fwd(wq, wk, wv, True, attn.backend)
-                return out, *parallel._attn_bwd(wd, wq, wk, wv, out, lse, True, backend=attn.backend)
+                out, lse = kernels.attn_fwd(wq, wk, wv, True, attn.kernels.backend)
+                return out, *kernels.attn_bwd(wd, wq, wk, wv, out, lse, True, backend=attn.kernels.backend)
 
             single_s = median_seconds(single, dev, args.iters, 1)
             ref = single()
             diff = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), gathered, ref)}
             del ref
             flops = 3.5 * 4 * hq * d * t * t / 2
-            row = dict(backend=attn.backend, cp=world, seq_len=t, ring_s_per_rank=round(ring_s, 3),
+            row = dict(backend=attn.kernels.backend, cp=world, seq_len=t, ring_s_per_rank=round(ring_s, 3),
                        single_s=round(single_s, 3), ideal_s=round(single_s / world, 3),
                        efficiency=round(single_s / world / ring_s, 3),
                        ring_tflops_per_gpu=round(flops / world / ring_s / 1e12, 1),

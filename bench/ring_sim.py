@@ -4,13 +4,13 @@
     python bench/ring_sim.py --small    # any machine: a tiny fp32 shape on CPU, exercises every code path
 
 One process plays all cp ranks. Rank r's ring steps call parallel._fwd_block and parallel._bwd_block on the
-blocks parallel._ring_blocks gives, as the real ring does (bench/doc_balance.py times them per rank under document
+blocks of its parallel.Schedule, as the real ring does (bench/doc_balance.py times them per rank under document
 masks), with the K/V that rank r would hold at step i (rank
 r - i's shard) taken by slicing instead of being received, and each block's dK/dV added into the source rank's
 fp32 buffer instead of travelling.
 The gathered output and dq/dk/dv are compared with one causal F.scaled_dot_product_attention call (enable_gqa,
 autograd) on the whole sequence: max abs and relative Frobenius error. Then the blocks of all cp ranks together
-are timed against the one causal kernel call on the whole sequence (the same kernel, parallel._attn_fwd/_bwd):
+are timed against the one causal kernel call on the whole sequence (the same kernel, kernels.attn_fwd/attn_bwd):
 forward and forward+backward, median of --iters runs after warm-up (CUDA events). efficiency = single / ring;
 TFLOP/s counts causal attention FLOPs (forward 2*2*B*Hq*D*L*L/2, backward 2.5x forward) for both.
 Writes JSON (--out, default bench/results/ring_sim.json) and prints a table; exits 1 if an error is too large.
@@ -26,59 +26,57 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parallel import (_acc, _attn_bwd, _attn_fwd, _bwd_block, _fwd_block, _last_step, _one_block,  # noqa: E402
-                      _ring_blocks, cp_shard, cp_unshard)
+from kernels import Kernels, attn_bwd, attn_fwd  # noqa: E402
+from parallel import _acc, _bwd_block, _fwd_block, cp_shard, cp_unshard, zigzag_schedule  # noqa: E402
 
 
-def rank_forward(qs, ks, vs, r, docs=None, backend="auto"):
-    """Rank r's ring forward, as parallel._ring_fwd runs it: its blocks (parallel._ring_blocks) at each step up to
-    parallel._last_step, with the K/V of rank r - i at step i. docs: None (one sequence) or (doc_lens, balanced).
+def rank_forward(qs, ks, vs, r, schedule=zigzag_schedule, kernels=None):
+    """Rank r's ring forward, as parallel._ring_fwd runs it: the blocks of schedule(r, cp, T) (parallel.Schedule) at
+    each step up to its last, with the K/V of rank r - i at step i, on kernels (default: Kernels()).
     -> (out in q.dtype, lse)."""
-    cp, q = len(qs), qs[r]
-    steps, last = _ring_blocks(docs, r, cp, q.shape[2]), _last_step(docs, cp)
-    if _one_block(steps, last):
-        return _attn_fwd(q, ks[r], vs[r], steps[0][0][2], backend)
+    cp, q, kernels = len(qs), qs[r], kernels or Kernels()
+    s = schedule(r, cp, q.shape[2])
+    if s.one_block():
+        return s.fwd(q, ks[r], vs[r], s.steps[0][0][2], kernels)
     out = lse = None
-    if docs is not None and not docs[1]:  # the simple path: pieces write rows of buffers
-        out, lse = torch.empty_like(q, dtype=_acc(q)), q.new_empty(q.shape[:3], dtype=_acc(q))
-    for i in range(last + 1):
+    for i in range(s.last + 1):
         src = (r - i) % cp
-        for block in steps[i]:
-            out, lse = _fwd_block(q, ks[src], vs[src], out, lse, block, backend)
+        for block in s.steps[i]:
+            out, lse = _fwd_block(q, ks[src], vs[src], out, lse, block, s, kernels)
     return out.to(q.dtype), lse
 
 
-def rank_backward(douts, qs, ks, vs, fwd_r, r, dks, dvs, docs=None, backend="auto"):
+def rank_backward(douts, qs, ks, vs, fwd_r, r, dks, dvs, schedule=zigzag_schedule, kernels=None):
     """Rank r's ring backward from its (out, lse): returns its fp32 dq and adds each block's dK/dV into the source
     rank's fp32 buffer in dks/dvs (in the real ring those buffers travel back to their owner)."""
-    cp, q = len(qs), qs[r]
-    steps, last = _ring_blocks(docs, r, cp, q.shape[2]), _last_step(docs, cp)
+    cp, q, kernels = len(qs), qs[r], kernels or Kernels()
+    s = schedule(r, cp, q.shape[2])
     out, lse = fwd_r
-    if _one_block(steps, last):
-        dq, dk, dv = _attn_bwd(douts[r], q, ks[r], vs[r], out, lse, steps[0][0][2], backend=backend)
+    if s.one_block():
+        dq, dk, dv = s.bwd(douts[r], q, ks[r], vs[r], out, lse, s.steps[0][0][2], kernels)
         dks[r] += dk
         dvs[r] += dv
         return dq
     dq = torch.zeros_like(q, dtype=_acc(q))
-    for i in range(last + 1):
+    for i in range(s.last + 1):
         src = (r - i) % cp
-        for block in steps[i]:
-            cols, dk_b, dv_b = _bwd_block(douts[r], q, ks[src], vs[src], out, lse, dq, block, backend)
+        for block in s.steps[i]:
+            cols, dk_b, dv_b = _bwd_block(douts[r], q, ks[src], vs[src], out, lse, dq, block, s, kernels)
             dks[src][:, :, cols] += dk_b
             dvs[src][:, :, cols] += dv_b
     return dq
 
 
-def ring_forward(qs, ks, vs, docs=None, backend="auto"):
+def ring_forward(qs, ks, vs, schedule=zigzag_schedule, kernels=None):
     """Every rank's ring forward. qs[r] [B, Hq, T, D], ks[r]/vs[r] [B, Hkv, T, D] -> [(out in q.dtype, lse)]."""
-    return [rank_forward(qs, ks, vs, r, docs, backend) for r in range(len(qs))]
+    return [rank_forward(qs, ks, vs, r, schedule, kernels) for r in range(len(qs))]
 
 
-def ring_backward(douts, qs, ks, vs, fwd, docs=None, backend="auto"):
+def ring_backward(douts, qs, ks, vs, fwd, schedule=zigzag_schedule, kernels=None):
     """Every rank's ring backward from the final (out, lse) of ring_forward -> fp32 dq, dk, dv per rank."""
     dks = [torch.zeros_like(k, dtype=_acc(k)) for k in ks]
     dvs = [torch.zeros_like(v, dtype=_acc(v)) for v in vs]
-    dqs = [rank_backward(douts, qs, ks, vs, fwd[r], r, dks, dvs, docs, backend) for r in range(len(qs))]
+    dqs = [rank_backward(douts, qs, ks, vs, fwd[r], r, dks, dvs, schedule, kernels) for r in range(len(qs))]
     return dqs, dks, dvs
 
 
@@ -107,7 +105,7 @@ def median_seconds(fn, device, iters, warmup):
 
 
 def kernel_name(device, dtype):
-    """Which kernel _attn_fwd picks here (it falls back to flash where cuDNN raises)."""
+    """Which kernel attn_fwd picks here (it falls back to flash where cuDNN raises)."""
     if device.type == "cpu":
         return "flash_for_cpu"
     x = torch.zeros(1, 1, 128, 128, device=device, dtype=dtype)
@@ -157,11 +155,11 @@ def main():
 
     # Speed: all ranks' blocks and merges vs the one causal kernel call they replace.
     def single_fwd_bwd():
-        out, lse = _attn_fwd(q, k, v, True)
-        return _attn_bwd(dout, q, k, v, out, lse, True)
+        out, lse = attn_fwd(q, k, v, True)
+        return attn_bwd(dout, q, k, v, out, lse, True)
 
     sec = {
-        ("fwd", "single"): median_seconds(lambda: _attn_fwd(q, k, v, True), device, args.iters, args.warmup),
+        ("fwd", "single"): median_seconds(lambda: attn_fwd(q, k, v, True), device, args.iters, args.warmup),
         ("fwd", "ring"): median_seconds(lambda: ring_forward(qs, ks, vs), device, args.iters, args.warmup),
         ("fwd+bwd", "single"): median_seconds(single_fwd_bwd, device, args.iters, args.warmup),
         ("fwd+bwd", "ring"): median_seconds(

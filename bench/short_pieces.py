@@ -18,15 +18,15 @@ LENGTHS = (1, 2, 3, 4, 8, 15, 16, 17, 64)  # each in a process of its own: a few
 
 
 def one(backend: str, n: int):
-    import parallel
-    parallel.CUDNN_MIN_TOKENS = 0  # the raw kernel, no routing of short pieces
+    import kernels
+    kernels.CUDNN_MIN_TOKENS = 0  # the raw kernel, no routing of short pieces
     gen = torch.Generator(device="cuda").manual_seed(n)
     q, k, v, dout = (torch.randn(1, 1000, h, 128, generator=gen, device="cuda").bfloat16().transpose(1, 2)
                      for h in (8, 2, 2, 8))
     d = slice(100, 100 + n)  # a piece of a longer window, as the document path slices it
     q, k, v, dout = q[:, :, d], k[:, :, d], v[:, :, d], dout[:, :, d]
-    out, lse = parallel._attn_fwd(q, k, v, True, backend)
-    dq, dk, dv = parallel._attn_bwd(dout, q, k, v, out, lse, True, backend=backend)
+    out, lse = kernels.attn_fwd(q, k, v, True, backend)
+    dq, dk, dv = kernels.attn_bwd(dout, q, k, v, out, lse, True, backend=backend)
     torch.cuda.synchronize()
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
                                                            v.double().repeat_interleave(4, 1), is_causal=True)
@@ -36,8 +36,8 @@ def one(backend: str, n: int):
 
 
 def main():
-    import parallel
-    backends = ["cudnn", "flash"] + ([] if parallel.fa4_unavailable() else ["fa4"])
+    import kernels
+    backends = ["cudnn", "flash"] + ([] if kernels.fa4_unavailable() else ["fa4"])
     rows = []
     for backend in backends:
         for n in LENGTHS:

@@ -1,4 +1,4 @@
-"""Windows of several documents (doc_lens): ring attention inside documents (parallel.py) against a naive fp64
+"""Windows of several documents (doc_lens): ring attention inside documents (documents.py) against a naive fp64
 oracle with the document mask, at cp 1, 2 and 4 under gloo; our Qwen3 on a packed window against each document
 run alone through transformers' Qwen3ForCausalLM. CPU; the tests marked gpu check the CUDA kernels.
 
@@ -7,6 +7,7 @@ run alone through transformers' Qwen3ForCausalLM. CPU; the tests marked gpu chec
 Each world size spawns its ranks once (tests/test_ring.py's run_ranks): every rank runs all CASES in every
 document layout, and a packed window through the model, and saves its shards; the parent gathers and compares.
 """
+import functools
 import itertools
 import math
 import random
@@ -19,12 +20,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import transformers  # a test dependency: the independent reference for the model
 
+import documents
+import kernels
 import model as M
-import parallel
+from documents import DocumentSchedule, cp_layout, masked_attention
 from model import Qwen3, Qwen3Config
-from parallel import RingAttention, cp_positions, cp_shard, cp_unshard, ring_attention
+from parallel import RingAttention, cp_shard, cp_unshard, ring_attention
 from test_fa4 import rel
-from test_ring import _free_port, _record_blocks, make_inputs, run_ranks
+from test_ring import _free_port, _record_blocks, cp_positions, make_inputs, run_ranks
 
 # (batch, q heads, kv heads, chunk length, head_dim, dtype); the window is 2 * world * chunk tokens
 CASES = [(1, 5, 1, 7, 8, torch.float64), (2, 6, 2, 6, 12, torch.float32)]
@@ -145,26 +148,27 @@ MODEL_CHUNK = 5  # the model's window on the ranks: 2 * world * 5 tokens, in the
 
 def _rank_main(rank, world, port, out_dir):
     torch.set_num_threads(1)
-    parallel.MIN_CHUNK = 1  # let these tiny windows take balanced layouts of more than two chunks per rank
+    documents.MIN_CHUNK = 1  # let these tiny windows take balanced layouts of more than two chunks per rank
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         group, calls, results = dist.group.WORLD, [], {}
-        _record_blocks(calls)
+        depth = _record_blocks(calls)
+        _record_blocks(calls, documents, ("_pieces_fwd", "_pieces_bwd"), depth)
         for balanced in BALANCED:
-            attn = RingAttention(group, balanced=balanced)
+            attn = RingAttention(group, schedule=schedule_of(balanced))
             for i, case in enumerate(CASES):
-                for name, docs in layouts(world, case[3]).items():
-                    q, k, v, dout = (cp_shard(x.to(case[5]), 2, rank, world, docs, balanced)
+                for name, doc_lens in layouts(world, case[3]).items():
+                    q, k, v, dout = (cp_shard(x.to(case[5]), 2, rank, world, cp_layout(world, doc_lens, balanced))
                                      for x in make_inputs(case[:5], world))
                     q, k, v = (x.requires_grad_() for x in (q, k, v))
                     calls.clear()
-                    out = ring_attention(q, k, v, group, doc_lens=docs, balanced=balanced)
+                    out = attn(q, k, v, doc_lens)
                     out.backward(dout)
                     r = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, calls=list(calls))
                     q, k, v = q.detach(), k.detach(), v.detach()
-                    out, lse = attn.fwd(q, k, v, docs)  # the keep-attention halves
+                    out, lse = attn.fwd(q, k, v, doc_lens)  # the keep-attention halves
                     r["halves"] = dict(zip(("out", "dq", "dk", "dv"),
-                                           (out, *attn.bwd(dout, q, k, v, out, lse, docs))))
+                                           (out, *attn.bwd(dout, q, k, v, out, lse, doc_lens))))
                     if name == "whole":
                         out = ring_attention(*(x.requires_grad_() for x in (q, k, v)), group)
                         out.backward(dout)
@@ -172,11 +176,11 @@ def _rank_main(rank, world, port, out_dir):
                     results[i, name, balanced] = r
         # A packed window through the model, as train.py passes it: tokens, labels and positions sharded,
         # doc_lens of the whole window; recompute with kept attention runs the ring's fwd/bwd halves.
-        docs = layouts(world, MODEL_CHUNK)["crossing"]
+        doc_lens = layouts(world, MODEL_CHUNK)["crossing"]
         m = tiny_model(torch.float64).set_levers(recompute=True, keep_attention=True)
-        m.attn_fn = RingAttention(group)
-        ids, pos, labels = (cp_shard(x, 1, rank, world, docs) for x in packed(docs))
-        results["model"] = nll_and_grads(m, ids, pos, labels, docs)
+        m.attn_fn = RingAttention(group, schedule=documents.schedule)
+        ids, pos, labels = (cp_shard(x, 1, rank, world, cp_layout(world, doc_lens)) for x in packed(doc_lens))
+        results["model"] = nll_and_grads(m, ids, pos, labels, doc_lens)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -187,12 +191,12 @@ def fine_chunks():
     """MIN_CHUNK = 1 here, as in the ranks (_rank_main): tiny windows take balanced layouts of more than two chunks
     per rank, and the layouts this process derives to gather the ranks' shards are theirs."""
     def clear():
-        for cached in (parallel.balanced_layout, parallel._doc_blocks, parallel._last_step):
+        for cached in (documents.balanced_layout, documents._doc_blocks, documents._last_step):
             cached.cache_clear()
-    old, parallel.MIN_CHUNK = parallel.MIN_CHUNK, 1
+    old, documents.MIN_CHUNK = documents.MIN_CHUNK, 1
     clear()
     yield
-    parallel.MIN_CHUNK = old
+    documents.MIN_CHUNK = old
     clear()
 
 
@@ -205,38 +209,44 @@ def ranks(request, tmp_path_factory):
 BALANCED = (True, False)  # the balanced layout with a rank's documents in one call; the simple path
 
 
-def gathered(ranks, key, what, docs, balanced):
-    return cp_unshard([r[key][what] for r in ranks], 2, docs, balanced)
+def schedule_of(balanced):
+    """RingAttention's schedule argument for windows of documents, balanced or the simple path."""
+    return functools.partial(documents.schedule, balanced=balanced)
+
+
+def gathered(ranks, key, what, doc_lens, balanced):
+    return cp_unshard([r[key][what] for r in ranks], 2, cp_layout(len(ranks), doc_lens, balanced))
 
 
 def test_ring_with_documents_matches_oracle(ranks):
     world, ranks = ranks
     for i, case in enumerate(CASES):
-        for name, docs in layouts(world, case[3]).items():
+        for name, doc_lens in layouts(world, case[3]).items():
             q, k, v, dout = (x.double().requires_grad_() for x in make_inputs(case[:5], world))
-            out = naive_doc_attention(q, k, v, docs)
+            out = naive_doc_attention(q, k, v, doc_lens)
             want = dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))))
             for balanced in BALANCED:
                 key = i, name, balanced
                 for what, ref in want.items():
-                    got = gathered(ranks, key, what, docs, balanced)
+                    got = gathered(ranks, key, what, doc_lens, balanced)
                     assert got.dtype == case[5]
                     torch.testing.assert_close(got.double(), ref, **TOL[case[5]], msg=lambda m: (
-                        f"{what}, {name} {docs}, case {case}, cp {world}, balanced {balanced}: {m}"))
+                        f"{what}, {name} {doc_lens}, case {case}, cp {world}, balanced {balanced}: {m}"))
                     # the keep-attention halves (fwd, bwd) are the autograd path, bit for bit
-                    halves = cp_unshard([r[key]["halves"][what] for r in ranks], 2, docs, balanced)
+                    halves = gathered([{key: r[key]["halves"]} for r in ranks], key, what, doc_lens, balanced)
                     assert torch.equal(halves, got), (what, name, case)
                 if name == "whole":  # one document is today's ring, bit for bit
                     for what in want:
                         plain = cp_unshard([r[key]["plain"][what] for r in ranks], 2)
-                        assert torch.equal(plain, gathered(ranks, key, what, docs, balanced)), (what, case)
+                        assert torch.equal(plain, gathered(ranks, key, what, doc_lens, balanced)), (what, case)
 
 
-def block_area(tq, tk, causal):
-    """Query-key pairs one kernel call computes: causal (True), full (False), or causal inside each piece."""
-    if isinstance(causal, tuple):
-        return sum(n * (n + 1) // 2 for n in causal)
-    return tq * (tq + 1) // 2 if causal else tq * tk
+def block_area(tq, tk, mask):
+    """Query-key pairs one kernel call computes, by the mask its call was recorded with (_record_blocks): causal
+    (True), full (False), or the lengths of pieces (a pieces block: causal inside each)."""
+    if isinstance(mask, tuple):
+        return sum(n * (n + 1) // 2 for n in mask)
+    return tq * (tq + 1) // 2 if mask else tq * tk
 
 
 def test_only_blocks_sharing_a_document_launch(ranks):
@@ -245,7 +255,7 @@ def test_only_blocks_sharing_a_document_launch(ranks):
     way the calls compute exactly the document mask's query-key pairs."""
     world, ranks = ranks
     for i, case in enumerate(CASES):
-        for name, docs in layouts(world, case[3]).items():
+        for name, doc_lens in layouts(world, case[3]).items():
             for balanced in BALANCED:
                 for kind in ("fwd", "bwd"):
                     per_rank = [[c for c in r[i, name, balanced]["calls"] if c[0] == kind] for r in ranks]
@@ -254,24 +264,24 @@ def test_only_blocks_sharing_a_document_launch(ranks):
                         continue
                     if balanced:  # the diagonal first, one call; then one per full block of _doc_blocks
                         assert all(isinstance(c[0][3], tuple) for c in per_rank)
-                        want = [sum(map(len, parallel._doc_blocks((docs, True), r, world))) for r in range(world)]
+                        want = [sum(map(len, DocumentSchedule(doc_lens, True, r, world).steps)) for r in range(world)]
                     else:
-                        want = [expected_calls(docs, rank, world) for rank in range(world)]
+                        want = [expected_calls(doc_lens, rank, world) for rank in range(world)]
                         if name == "chunks":  # only the two diagonal blocks of step 0, on every rank
                             assert want == [2] * world
-                    assert [len(c) for c in per_rank] == want, (kind, name, docs, balanced)
+                    assert [len(c) for c in per_rank] == want, (kind, name, doc_lens, balanced)
                     area = sum(block_area(*c[1:]) for calls in per_rank for c in calls)
-                    assert area == int(doc_mask(docs).sum()), (kind, name, balanced)
+                    assert area == int(doc_mask(doc_lens).sum()), (kind, name, balanced)
 
 
 def test_model_on_ranks_matches_each_document_alone(ranks, tmp_path):
     """cp 1, 2, 4: the per-token NLL and the gradients (summed over ranks) of a packed window equal those of each
     document run alone through transformers."""
     world, ranks = ranks
-    docs = layouts(world, MODEL_CHUNK)["crossing"]
-    ids, pos, labels = packed(docs)
-    ref_nll, ref_grads = alone_in_transformers(tiny_model(torch.float64), ids, labels, docs, tmp_path)
-    nll = cp_unshard([r["model"][0] for r in ranks], 0, docs)
+    doc_lens = layouts(world, MODEL_CHUNK)["crossing"]
+    ids, pos, labels = packed(doc_lens)
+    ref_nll, ref_grads = alone_in_transformers(tiny_model(torch.float64), ids, labels, doc_lens, tmp_path)
+    nll = cp_unshard([r["model"][0] for r in ranks], 0, cp_layout(world, doc_lens))
     # transformers forms RoPE angles in fp32 (we use float64): ~1e-7 here; a leak across documents is ~1e-2
     torch.testing.assert_close(nll, ref_nll, atol=1e-5, rtol=1e-5)
     grads = {n: sum(r["model"][1][n] for r in ranks) for n in ref_grads}
@@ -287,12 +297,12 @@ def group_of_one():
     dist.destroy_process_group()
 
 
-def block_mask(tq, tk, causal):
+def block_mask(tq, tk, mask):
     """[tq, tk] int64: the pairs one block computes (see block_area)."""
-    if isinstance(causal, tuple):
-        return torch.block_diag(*(torch.ones(n, n, dtype=torch.int64).tril() for n in causal))
+    if isinstance(mask, tuple):
+        return torch.block_diag(*(torch.ones(n, n, dtype=torch.int64).tril() for n in mask))
     block = torch.ones(tq, tk, dtype=torch.int64)
-    return block.tril() if causal else block
+    return block.tril() if mask else block
 
 
 @pytest.mark.parametrize("balanced", BALANCED, ids=["balanced", "simple"])
@@ -305,31 +315,34 @@ def test_blocks_cover_the_document_mask_once(world, balanced):
     chunk = 4
     n, t = 2 * world * chunk, 2 * chunk
     gen = random.Random(world)
-    docs_list = [(1,) * n, (chunk,) * (2 * world), (1, n - 2, 1)]
+    lens_list = [(1,) * n, (chunk,) * (2 * world), (1, n - 2, 1)]
     for _ in range(30):
         lens = []
         while sum(lens) < n:
             lens.append(min(gen.randint(1, 3 * chunk), n - sum(lens)))
-        docs_list.append(tuple(lens))
-    for docs in docs_list:
-        covered, key = torch.zeros(n, n, dtype=torch.int64), (docs, balanced)
-        last = parallel._last_step(key, world)
-        for rank in range(world):
-            steps = parallel._doc_blocks(key, rank, world)
-            assert len(steps) == world and not any(steps[last + 1:])
-            q_pos = cp_positions(n, rank, world, docs, balanced)
+        lens_list.append(tuple(lens))
+    for doc_lens in lens_list:
+        covered = torch.zeros(n, n, dtype=torch.int64)
+        layout = cp_layout(world, doc_lens, balanced)
+        schedules = [DocumentSchedule(doc_lens, balanced, rank, world) for rank in range(world)]
+        last = schedules[0].last
+        for rank, sched in enumerate(schedules):
+            steps = sched.steps
+            assert len(steps) == world and not any(steps[last + 1:]) and sched.last == last
+            q_pos = cp_positions(n, rank, world, layout)
             for i, blocks in enumerate(steps):
-                k_pos = cp_positions(n, (rank - i) % world, world, docs, balanced)
+                k_pos = cp_positions(n, (rank - i) % world, world, layout)
                 for rows, cols, causal in blocks:
                     qp, kp = q_pos[rows], k_pos[cols]
                     assert len(qp) and len(kp)
-                    covered[qp[:, None], kp[None, :]] += block_mask(len(qp), len(kp), causal)
+                    mask = sched.pieces if causal and sched.pieces else causal  # balanced: causal in each piece
+                    covered[qp[:, None], kp[None, :]] += block_mask(len(qp), len(kp), mask)
             flags = [bool(causal) for _, _, causal in steps[0]]
             assert flags == sorted(flags, reverse=True) and not any(c for s in steps[1:] for _, _, c in s)
             rows = torch.cat([torch.arange(t)[r] for r, c, causal in steps[0] if causal])
-            assert torch.equal(rows.sort().values, torch.arange(t)), docs
-        assert any(parallel._doc_blocks(key, r, world)[last] for r in range(world))
-        torch.testing.assert_close(covered, doc_mask(docs).long(), msg=lambda m: f"{docs}, cp {world}: {m}")
+            assert torch.equal(rows.sort().values, torch.arange(t)), doc_lens
+        assert any(sched.steps[last] for sched in schedules)
+        torch.testing.assert_close(covered, doc_mask(doc_lens).long(), msg=lambda m: f"{doc_lens}, cp {world}: {m}")
 
 
 LEVERS = [dict(recompute=False), dict(recompute=True), dict(recompute=True, keep_attention=True),
@@ -340,16 +353,16 @@ LEVERS = [dict(recompute=False), dict(recompute=True), dict(recompute=True, keep
 def test_packed_window_matches_each_document_alone(dtype, group_of_one, tmp_path):
     """One process: the default attention (a mask in SDPA) and the ring of one, with each memory lever on and off,
     give the per-token NLL and gradients of each document run alone through transformers."""
-    docs = (5, 1, 9, 2, 6)  # 23 tokens: odd, so the ring of one takes the window as a single chunk
+    doc_lens = (5, 1, 9, 2, 6)  # 23 tokens: odd, so the ring of one takes the window as a single chunk
     m = tiny_model(dtype)
-    ids, pos, labels = packed(docs)
-    ref_nll, ref_grads = alone_in_transformers(m, ids, labels, docs, tmp_path)
+    ids, pos, labels = packed(doc_lens)
+    ref_nll, ref_grads = alone_in_transformers(m, ids, labels, doc_lens, tmp_path)
     tol = 1e-5 if dtype == torch.float64 else 2e-4
     first = None
-    for attn_fn in (M.causal_attention, RingAttention(group_of_one)):
+    for attn_fn in (masked_attention, RingAttention(group_of_one, schedule=documents.schedule)):
         m.attn_fn = attn_fn
         for levers in LEVERS:
-            nll, grads = nll_and_grads(m.set_levers(**levers), ids, pos, labels, docs)
+            nll, grads = nll_and_grads(m.set_levers(**levers), ids, pos, labels, doc_lens)
             torch.testing.assert_close(nll, ref_nll, atol=tol, rtol=tol, msg=lambda msg: f"{levers}: {msg}")
             assert_grads_close(grads, ref_grads, tol)
             first = first or (nll, grads)  # levers and attention functions change only rounding
@@ -359,15 +372,15 @@ def test_packed_window_matches_each_document_alone(dtype, group_of_one, tmp_path
 
 def test_bad_documents_raise(group_of_one):
     q, kv = torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8)
-    attn = RingAttention(group_of_one)
-    for docs, msg in [((3, 2), "summing to the window's 6 tokens"), ((7, -1), "positive"), ((0, 6), "positive"),
+    attn = RingAttention(group_of_one, schedule=documents.schedule)
+    for doc_lens, msg in [((3, 2), "summing to the window's 6 tokens"), ((7, -1), "positive"), ((0, 6), "positive"),
                       ((), "got 0 lengths"), ((2.5, 3.5), "sequence of ints"), ("ab", "sequence of ints")]:
-        for call in (lambda: attn(q, kv, kv, docs), lambda: attn.fwd(q, kv, kv, docs),
-                     lambda: attn.bwd(q, q, kv, kv, q, q[..., 0], docs)):
+        for call in (lambda: attn(q, kv, kv, doc_lens), lambda: attn.fwd(q, kv, kv, doc_lens),
+                     lambda: attn.bwd(q, q, kv, kv, q, q[..., 0], doc_lens)):
             with pytest.raises(ValueError, match=msg):
                 call()
     with pytest.raises(ValueError, match="sum to 5, not to the 6 tokens"):
-        M.causal_attention(q, kv, kv, (2, 3))
+        masked_attention(q, kv, kv, (2, 3))
     m = tiny_model(torch.float32)
     with pytest.raises(ValueError, match="needs position_ids"):
         m(torch.zeros(1, 6, dtype=torch.long), doc_lens=(2, 4))
@@ -394,8 +407,8 @@ def cuda_oracle_and_floor(q, k, v, dout, backend):
     alone, start = {n: [] for n in ref}, 0
     for length in GPU_DOCS:
         d = slice(start, start + length)
-        o, lse = parallel._attn_fwd(q[:, :, d], k[:, :, d], v[:, :, d], True, backend)
-        grads = parallel._attn_bwd(dout[:, :, d], q[:, :, d], k[:, :, d], v[:, :, d], o, lse, True, backend=backend)
+        o, lse = kernels.attn_fwd(q[:, :, d], k[:, :, d], v[:, :, d], True, backend)
+        grads = kernels.attn_bwd(dout[:, :, d], q[:, :, d], k[:, :, d], v[:, :, d], o, lse, True, backend=backend)
         for n, x in zip(ref, (o, *grads)):
             alone[n].append(x)
         start += length
@@ -404,7 +417,7 @@ def cuda_oracle_and_floor(q, k, v, dout, backend):
 
 
 def cuda_backends():
-    return ["cudnn"] + ([] if parallel.fa4_unavailable() else ["fa4"])
+    return ["cudnn"] + ([] if kernels.fa4_unavailable() else ["fa4"])
 
 
 @pytest.mark.gpu
@@ -412,7 +425,7 @@ def test_document_ring_of_one_on_cuda(group_of_one):
     q, k, v, dout = cuda_inputs()
     for backend, balanced in itertools.product(cuda_backends(), BALANCED):
         ref, floor = cuda_oracle_and_floor(q, k, v, dout, backend)
-        attn = RingAttention(group_of_one, backend, balanced)
+        attn = RingAttention(group_of_one, kernels.Kernels(backend), schedule_of(balanced))
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         out = attn(*leaves, GPU_DOCS)
         out.backward(dout)
@@ -426,15 +439,16 @@ def test_document_ring_of_one_on_cuda(group_of_one):
 
 def _cuda_rank_main(rank, world, port, out_dir):
     torch.cuda.set_device(rank)
-    parallel.MIN_CHUNK = 1  # as in the parent (fine_chunks)
+    documents.MIN_CHUNK = 1  # as in the parent (fine_chunks)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {}
         for backend, balanced in itertools.product(cuda_backends(), BALANCED):
-            q, k, v, dout = (cp_shard(x.transpose(1, 2), 1, rank, world, GPU_DOCS, balanced).transpose(1, 2)
+            layout = cp_layout(world, GPU_DOCS, balanced)
+            q, k, v, dout = (cp_shard(x.transpose(1, 2), 1, rank, world, layout).transpose(1, 2)
                              for x in cuda_inputs())
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            out = ring_attention(q, k, v, dist.group.WORLD, backend, GPU_DOCS, balanced)
+            out = RingAttention(dist.group.WORLD, kernels.Kernels(backend), schedule_of(balanced))(q, k, v, GPU_DOCS)
             out.backward(dout)
             results[backend, balanced] = {n: t.detach().cpu()
                                           for n, t in dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad).items()}
@@ -452,7 +466,7 @@ def test_document_ring_cp2_over_nccl(tmp_path):
     for backend, balanced in itertools.product(cuda_backends(), BALANCED):
         ref, floor = cuda_oracle_and_floor(q, k, v, dout, backend)
         for n in ref:
-            got = cp_unshard([r[backend, balanced][n] for r in ranks], 2, GPU_DOCS, balanced).cuda()
+            got = cp_unshard([r[backend, balanced][n] for r in ranks], 2, cp_layout(2, GPU_DOCS, balanced)).cuda()
             assert rel(got, ref[n]) <= 3 * floor[n], (backend, balanced, n, rel(got, ref[n]), floor[n])
 
 
@@ -463,7 +477,7 @@ def test_short_pieces_leave_cudnn(monkeypatch):
     cuda = torch.device("cuda")
     def piece(n):
         return torch.empty(1, 8, n, 128, device="meta")
-    assert parallel._kernels("cudnn", cuda, piece(1), piece(1)) == "flash"
-    assert parallel._kernels("cudnn", cuda, piece(700), piece(1)) == "flash"
-    assert parallel._kernels("cudnn", cuda, piece(parallel.CUDNN_MIN_TOKENS), piece(700)) == "cudnn"
-    assert parallel._kernels("cudnn", cuda) == "cudnn"
+    assert kernels._choose("cudnn", cuda, piece(1), piece(1)) == "flash"
+    assert kernels._choose("cudnn", cuda, piece(700), piece(1)) == "flash"
+    assert kernels._choose("cudnn", cuda, piece(kernels.CUDNN_MIN_TOKENS), piece(700)) == "cudnn"
+    assert kernels._choose("cudnn", cuda) == "cudnn"

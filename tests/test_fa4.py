@@ -1,4 +1,4 @@
-"""The FlashAttention-4 backend of parallel.py against fp64 math attention, alone and in the ring (one GPU,
+"""The FlashAttention-4 backend of kernels.py against fp64 math attention, alone and in the ring (one GPU,
 and two GPUs over NCCL). Needs an sm90+ GPU with flash-attn-4 installed; skipped elsewhere:
 
     pytest -m gpu tests/test_fa4.py
@@ -16,16 +16,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import kernels
 import parallel
 from test_ring import _free_port
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(parallel.fa4_unavailable() is not None,
-                       reason=f"FlashAttention-4 unavailable: {parallel.fa4_unavailable()}"),
+    pytest.mark.skipif(kernels.fa4_unavailable() is not None,
+                       reason=f"FlashAttention-4 unavailable: {kernels.fa4_unavailable()}"),
 ]
 
-# (batch, q heads, kv heads, query length, key length, head_dim, causal); causal needs Tq == Tk (parallel.py)
+# (batch, q heads, kv heads, query length, key length, head_dim, causal); causal needs Tq == Tk (kernels.py)
 CASES = [
     (2, 5, 5, 999, 999, 128, True),  # MHA, 5 heads, odd length
     (1, 8, 2, 777, 777, 64, True),  # GQA 4:1, head_dim 64
@@ -70,8 +71,8 @@ def rel(got, ref):
 
 
 def kernel(q, k, v, dout, causal, backend):
-    out, lse = parallel._attn_fwd(q, k, v, causal, backend)
-    dq, dk, dv = parallel._attn_bwd(dout, q, k, v, out, lse, causal, backend=backend)
+    out, lse = kernels.attn_fwd(q, k, v, causal, backend)
+    dq, dk, dv = kernels.attn_bwd(dout, q, k, v, out, lse, causal, backend=backend)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
@@ -102,9 +103,9 @@ def test_fa4_backward_over_head_groups(heads_per_call):
     so only dQ's atomic accumulation order differs."""
     case = (1, 32, 8, 1000, 1000, 128, True)
     q, k, v, dout = make_inputs(case, seed=1)
-    out, lse = parallel._attn_fwd(q, k, v, True, "fa4")
-    whole = parallel._attn_bwd(dout, q, k, v, out, lse, True, heads_per_call=32, backend="fa4")
-    parts = parallel._attn_bwd(dout, q, k, v, out, lse, True, heads_per_call=heads_per_call, backend="fa4")
+    out, lse = kernels.attn_fwd(q, k, v, True, "fa4")
+    whole = kernels.attn_bwd(dout, q, k, v, out, lse, True, heads_per_call=32, backend="fa4")
+    parts = kernels.attn_bwd(dout, q, k, v, out, lse, True, heads_per_call=heads_per_call, backend="fa4")
     for name, a, b in zip(("dq", "dk", "dv"), parts, whole):
         assert a.shape == b.shape, name
         assert rel(a, b.double()) < 1e-2, name
@@ -123,8 +124,8 @@ def test_ring_of_one_with_fa4_matches_the_whole_sequence(group_of_one):
     q, k, v, dout = make_inputs(case, seed=2)
     ref = oracle(q, k, v, dout, True)
     floor = {n: rel(kernel(q, k, v, dout, True, "cudnn")[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
-    attn = parallel.RingAttention(group_of_one, backend="fa4")
-    assert attn.backend == "fa4"
+    attn = parallel.RingAttention(group_of_one, kernels.Kernels("fa4"))
+    assert attn.kernels.backend == "fa4"
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out = attn(*leaves)
     out.backward(dout)
@@ -134,7 +135,7 @@ def test_ring_of_one_with_fa4_matches_the_whole_sequence(group_of_one):
     for name in floor:
         assert rel(got[name], ref[name]) <= 3 * floor[name], name
         assert rel(got2[name], ref[name]) <= 3 * floor[name], name
-    assert parallel.RingAttention(group_of_one).backend == "fa4"  # auto prefers FA4 where it runs
+    assert kernels.Kernels().backend == "fa4"  # auto prefers FA4 where it runs
 
 
 # --- cp 2 over NCCL on two GPUs ---
@@ -154,7 +155,7 @@ def _rank_main(rank, world, port, out_dir):
             q, k, v, dout = (x.transpose(1, 2) for x in make_inputs(case, seed=3))  # [B, T, H, D] memory
             q, k, v, dout = (parallel.cp_shard(x, 1, rank, world).transpose(1, 2) for x in (q, k, v, dout))
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            out = parallel.ring_attention(q, k, v, dist.group.WORLD, backend="fa4")
+            out = parallel.ring_attention(q, k, v, dist.group.WORLD, kernels.Kernels("fa4"))
             out.backward(dout)
             results.append({n: t.detach().cpu() for n, t in dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad).items()})
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import model as M
+from kernels import Kernels
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention
 
@@ -67,7 +68,7 @@ def test_offload_on_a_side_stream_gives_the_same_gradients():
 
 @pytest.mark.parametrize("bthd", [False, True])
 def test_ring_of_one_matches_sdpa(group_of_one, bthd):
-    """8 query heads over 2 K/V heads: the backward runs as 2 kernel calls of 4 query heads (parallel.py);
+    """8 query heads over 2 K/V heads: the backward runs as 2 kernel calls of 4 query heads (kernels.py);
     bthd: [B, T, H, D] memory seen as [B, H, T, D], as the model passes q, k, v."""
     torch.manual_seed(0)
 
@@ -76,7 +77,7 @@ def test_ring_of_one_matches_sdpa(group_of_one, bthd):
         return (x.transpose(1, 2) if bthd else x.transpose(1, 2).contiguous()).detach().requires_grad_()
     q, k, v = make(8), make(2), make(2)
     dout = torch.randn_like(q)
-    out = RingAttention(group_of_one, backend="cudnn")(q, k, v)  # flash where cuDNN refuses; FA4: test_fa4.py
+    out = RingAttention(group_of_one, Kernels("cudnn"))(q, k, v)  # flash where cuDNN refuses; FA4: test_fa4.py
     got = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))  # the same bf16 inputs, widened
     ref_out = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=True)
@@ -90,7 +91,7 @@ def test_ring_of_one_matches_sdpa(group_of_one, bthd):
 
 def test_keep_attention_on_cuda_gives_the_same_gradients(group_of_one):
     # cuDNN: a deterministic backward (FA4 accumulates dQ with atomics, so two runs differ by ~2e-3)
-    m = model(torch.bfloat16, RingAttention(group_of_one, backend="cudnn"))
+    m = model(torch.bfloat16, RingAttention(group_of_one, Kernels("cudnn")))
     ids = torch.randint(0, 257, (1, 4096), device="cuda")
     # Both paths must run the same compiled variants of the fused kernels: after earlier tests changed
     # shapes, torch.compile re-specialises them (dynamic shapes), and two variants reduce in different
@@ -145,7 +146,7 @@ def test_bf16_cuda_model_matches_float64_cpu_model(group_of_one):
     """The whole CUDA path in bf16 (cuDNN ring of one, fused kernels, offload on a side stream, tiles, kept
     attention) against the same weights in float64 on the CPU, T not a multiple of any tile."""
     ref_m = model(torch.bfloat16).to("cpu", torch.float64)  # the same bf16 weights, widened
-    m = model(torch.bfloat16, RingAttention(group_of_one, backend="cudnn"))  # the bounds below: cuDNN's
+    m = model(torch.bfloat16, RingAttention(group_of_one, Kernels("cudnn")))  # the bounds below: cuDNN's
     ids = torch.randint(0, 257, (1, 3001))
     ref_m.set_levers(recompute=False)
     ref_m.zero_grad(set_to_none=True)

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import kernels
 import parallel
-from parallel import ring_attention, cp_positions, cp_shard, cp_unshard
+from parallel import ring_attention, cp_shard, cp_unshard
 
 # (batch, q heads, kv heads, chunk length, head_dim); the total length is 2 * world * chunk
 CASES = [
@@ -35,6 +36,11 @@ def naive_causal_attention(q, k, v):
     return scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
 
 
+def cp_positions(seq_len, rank, world, layout=None):
+    """Global position ids [seq_len // world] of rank's tokens (in the window: the RoPE positions of one sequence)."""
+    return cp_shard(torch.arange(seq_len), 0, rank, world, layout)
+
+
 def make_inputs(case, world):
     b, hq, hkv, chunk, d = case
     seq = 2 * world * chunk
@@ -45,27 +51,31 @@ def make_inputs(case, world):
 
 # --- the ranks ---
 
-def _record_blocks(calls):
-    """Wrap the kernel pair so that each call's (kind, query rows, key rows, causal) is recorded; a call made inside
-    another (the per-piece calls of a pieces block without FA4) is not."""
-    fwd, bwd, depth = parallel._attn_fwd, parallel._attn_bwd, [0]
+def _record_blocks(calls, module=parallel, names=("_attn_fwd", "_attn_bwd"), depth=None):
+    """Wrap the kernel pair module.names so that each call's (kind, query rows, key rows, mask) is recorded (mask:
+    the kernel's causal flag, or a block's pieces); a call made inside another recorded one is not, when the
+    wrappers share `depth` (the per-piece calls of a pieces block without FA4). -> depth."""
+    fwd, bwd = (getattr(module, name) for name in names)
+    depth = [0] if depth is None else depth
 
-    def recorded(kind, fn, q, k, causal, *args, **kwargs):
+    def recorded(kind, fn, q, k, mask, *args, **kwargs):
         if not depth[0]:
-            calls.append((kind, q.shape[2], k.shape[2], causal))
+            calls.append((kind, q.shape[2], k.shape[2], mask))
         depth[0] += 1
         try:
             return fn(*args, **kwargs)
         finally:
             depth[0] -= 1
 
-    def rec_fwd(q, k, v, causal, *args, **kwargs):
-        return recorded("fwd", fwd, q, k, causal, q, k, v, causal, *args, **kwargs)
+    def rec_fwd(q, k, v, mask, *args, **kwargs):
+        return recorded("fwd", fwd, q, k, mask, q, k, v, mask, *args, **kwargs)
 
-    def rec_bwd(dout, q, k, v, out, lse, causal, *args, **kwargs):
-        return recorded("bwd", bwd, q, k, causal, dout, q, k, v, out, lse, causal, *args, **kwargs)
+    def rec_bwd(dout, q, k, v, out, lse, mask, *args, **kwargs):
+        return recorded("bwd", bwd, q, k, mask, dout, q, k, v, out, lse, mask, *args, **kwargs)
 
-    parallel._attn_fwd, parallel._attn_bwd = rec_fwd, rec_bwd
+    for name, wrapper in zip(names, (rec_fwd, rec_bwd)):
+        setattr(module, name, wrapper)
+    return depth
 
 
 def _rank_main(rank, world, port, out_dir):
@@ -174,7 +184,7 @@ def test_backward_over_head_groups_matches_oracle(heads_per_call):
 
 
 def test_zigzag_round_trip_and_positions():
-    x = torch.randn(3, 5, 84, 2)  # 84 = 2*cp * (42, 21, 14) for cp 1, 2, 3
+    x = torch.randn(3, 5, 84, 2, generator=torch.Generator().manual_seed(0))  # 84 = 2*cp * (42, 21, 14), cp 1, 2, 3
     for world in (1, 2, 3):
         shards = [cp_shard(x, 2, r, world) for r in range(world)]
         assert all(s.shape == (3, 5, 84 // world, 2) and s.is_contiguous() for s in shards)
@@ -214,20 +224,20 @@ def test_bad_inputs_raise():
 def test_backend_choice_without_cuda(monkeypatch):
     """Without CUDA every backend runs the CPU kernels, and asking for fa4 says how to get it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    parallel.fa4_unavailable.cache_clear()
+    kernels.fa4_unavailable.cache_clear()
     try:
-        assert parallel.RingAttention(None).backend == "cpu"
-        assert parallel.RingAttention(None, backend="cudnn").backend == "cpu"
+        assert kernels.Kernels().backend == "cpu"
+        assert kernels.Kernels(backend="cudnn").backend == "cpu"
         with pytest.raises(ValueError, match="pip install flash-attn-4.*--attn_backend cudnn"):
-            parallel.RingAttention(None, backend="fa4")
+            kernels.Kernels(backend="fa4")
         with pytest.raises(ValueError, match="want one of auto, fa4, cudnn, flash"):
-            parallel.RingAttention(None, backend="sdpa")
+            kernels.Kernels(backend="sdpa")
     finally:
-        parallel.fa4_unavailable.cache_clear()
+        kernels.fa4_unavailable.cache_clear()
 
 
 def test_only_cudnn_refusals_fall_back_to_flash():
     """An out-of-memory error (a RuntimeError too) or a CUDA error must surface, not be retried on flash."""
-    assert parallel._cudnn_refused(RuntimeError("cuDNN Frontend error: No execution plans support the graph."))
-    assert not parallel._cudnn_refused(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert not parallel._cudnn_refused(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert kernels._cudnn_refused(RuntimeError("cuDNN Frontend error: No execution plans support the graph."))
+    assert not kernels._cudnn_refused(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not kernels._cudnn_refused(RuntimeError("CUDA error: an illegal memory access was encountered"))

@@ -379,8 +379,7 @@ class Qwen3(nn.Module):
         if labels is None:
             return h
         with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
-            out = chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T),
-                              chunk_size=loss_chunk)
+            out = chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
         if extras:
             aux = self.aux_loss(extras, B * T, out.n_valid)
             out = dataclasses.replace(out, aux_sum=aux.to(out.loss_sum.dtype))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from model import MLP, Qwen3, Qwen3Config, _silu_mul, _swiglu, causal_attention, fused
 
+
 def route(x, w_router, top_k: int, norm_topk_prob: bool):
     """transformers' Qwen3MoeTopKRouter: x [N, H] -> probs [N, E] (the softmax in fp32, float64 for a float64
     model), weights [N, k] (the top-k probabilities, renormalised to sum 1 when norm_topk_prob, then cast to x's
@@ -64,7 +65,7 @@ def grouped_gemm_ok(x, w_gate) -> bool:
 def moe_rows(x, w_router, w_gate, w_up, w_down, top_k, norm_topk_prob):
     """The MoE block on rows: x [N, H] -> (y [N, H], counts [E] float64: the top-k choices of each expert,
     prob_sums [E] fp32 (float64 for float64): the router's probabilities summed over the rows). The last two are
-    what the load-balancing loss needs (Qwen3.router_aux_loss)."""
+    what the load-balancing loss needs (Qwen3MoE.aux_loss)."""
     probs, weights, experts = route(x, w_router, top_k, norm_topk_prob)
     run = experts_grouped if grouped_gemm_ok(x, w_gate) else experts_loop
     y = run(x, weights, experts, w_gate, w_up, w_down)
@@ -114,7 +115,7 @@ class SparseMoE(nn.Module):
 
 
 class _TiledMoE(torch.autograd.Function):
-    """The MoE block over tiles of rows, as _TiledMLP: each tile routed and computed on its own, forward and
+    """The MoE block over tiles of rows, as model._TiledMLP: each tile routed and computed on its own, forward and
     backward, so that the tokens' routed copies [t*k, H] and the experts' [t*k, moe_intermediate] tensors exist one
     tile at a time (whole, at 131,072 tokens a rank, top-8 of Qwen3-30B-A3B: 1.5 GiB for each [N*k, 768] and 4 GiB
     for each [N*k, 2048] in bf16). The backward recomputes each tile under autograd (the same rows route the same

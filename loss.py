@@ -1,21 +1,12 @@
-"""Chunked next-token NLL over `hidden @ weight.T` that never holds the [tokens x vocab] logits.
+"""Chunked next-token NLL over `hidden @ weight.T` that never holds the [tokens x vocab] logits: at 131,072
+tokens per GPU and Qwen3's vocabulary of 151,936 they would be 40 GB in bf16. The rows go through a chunk at a
+time and each chunk's gradients are computed right there, in the forward pass, so that backward only scales two
+saved tensors: 3 matmuls per chunk (logits, dH, dW) instead of the 4 of a loss that recomputes the logits in
+backward. Operands stay in the input dtype (bf16 on tensor cores), log-sum-exp and softmax are done in fp32, and
+grad_weight is accumulated across chunks in fp32.
 
-At 131,072 tokens per GPU and Qwen3's vocabulary of 151,936 the full logits would be 40 GB in bf16 (80 GB in
-fp32). Instead the rows go through a chunk at a time and each chunk's gradients are computed right there, in
-the forward pass, so that backward only scales two saved tensors: 3 matmuls per chunk (logits, dH, dW) instead
-of the 4 of a loss that recomputes the logits in backward. Operands stay in the input dtype (bf16 on tensor
-cores), log-sum-exp and softmax are done in fp32, and grad_weight is accumulated across chunks in fp32.
-Its time and memory on an H200, by chunk size, against full logits and the three matmuls alone:
-bench/results/loss.json.
-
-    loss_sum, n_valid = chunked_nll(hidden, lm_head.weight, labels)   # hidden [N, H], labels [N]
-    (loss_sum / n_valid).backward()
-
-The result also carries each row's NLL (`.row_nll`, [N] fp32, 4 bytes a row), a by-product of the chunk loop:
-train.py sums it by position in the sequence to show whether later tokens gain from the long context.
-
-Exercised by `python -m pytest tests/test_loss.py -q` (CPU) and `python bench/bench_loss.py` (H200, writes the
-results file).
+    python -m pytest tests/test_loss.py -q     # CPU
+    python bench/bench_loss.py                 # H200: time and memory by chunk size (bench/results/loss.json)
 """
 import dataclasses
 import functools
@@ -43,12 +34,9 @@ def addmm_fp32_(acc, a, b):
 
 
 def _nll_and_dlogits(x, y, grad_dtype):
-    """-log softmax(x)[y] per row, and dlogits = softmax(x) - onehot(y) in grad_dtype; the math in fp32.
-
-    x [c, V] fp32 logits, y [c, 1] targets -> ([c] fp32, [c, V] grad_dtype). Written as plain formulas so
-    that torch.compile fuses them into one kernel that reads x twice and writes dlogits once (not timed apart
-    from the op-by-op version).
-    """
+    """-log softmax(x)[y] per row, and dlogits = softmax(x) - onehot(y) in grad_dtype, the math in fp32: x [c, V]
+    fp32 logits, y [c, 1] targets -> ([c] fp32, [c, V] grad_dtype). Plain formulas, so that torch.compile fuses
+    them into one kernel that reads x twice and writes dlogits once."""
     m = x.amax(1, keepdim=True)                                                                 # [c, 1]
     e = torch.exp(x - m)                                                                        # [c, V]
     s = e.sum(1, keepdim=True)                                                                  # [c, 1]
@@ -93,8 +81,7 @@ class _ChunkedNLL(torch.autograd.Function):
                 addmm_fp32_(dw, g.T, h)                                               # [V, H] += [V, c] @ [c, H]
             del g  # else it lives on while the next chunk's logits are made: 8 B per element, not 6
         # grad_weight stays fp32 until backward, where it is scaled (by 1 / token count, say) and rounded to
-        # bf16 once. Rounding per chunk would add rows / chunk_size roundings (64 a step at 131,072 rows),
-        # and rounding before the scaling one more (tests/test_loss.py: 2.3-2.7x and 1.5x the error of one).
+        # bf16 once: rounding per chunk, or before the scaling, adds error (tests/test_loss.py)
         ctx.grads, ctx.weight_dtype = (dh, dw), weight.dtype
         ctx.mark_non_differentiable(row_nll)
         return row_nll.sum(), row_nll
@@ -122,6 +109,11 @@ class NLL:
     loss_sum: torch.Tensor  # fp32 scalar, connected to the graph
     n_valid: torch.Tensor   # int64 scalar
     row_nll: torch.Tensor   # [N] fp32, each row's NLL (0 for ignored rows); not differentiable
+    aux_sum: torch.Tensor | None = None  # a term the model adds on loss_sum's scale (moe.py's load balancing)
+
+    def total(self):
+        """What backward starts from: loss_sum, plus aux_sum where the model gives one."""
+        return self.loss_sum if self.aux_sum is None else self.loss_sum + self.aux_sum
 
     def __iter__(self):
         return iter((self.loss_sum, self.n_valid))
@@ -140,10 +132,8 @@ def chunked_nll(hidden, weight, labels, ignore_index=-100, chunk_size=2048) -> N
     rows whose label is `ignore_index` are skipped, not computed. Returns (loss_sum, n_valid): an fp32 scalar
     connected to the graph (also when every label is ignored: under FSDP every rank must run the same backward)
     and an int64 scalar, so that ranks can divide by the global count of target tokens; plus `.row_nll` [N]
-    fp32: each row's NLL (0 where ignored), whose sum is loss_sum.
-    Memory: an fp32 [V, H] grad_weight accumulator plus 6 * chunk_size * V bytes. The default, 2,048 rows, is
-    1.7 GiB of temporaries at V = 151,936, and only a few % slower than 8,192 rows (7 GiB).
-    """
+    fp32, each row's NLL (0 where ignored), which train.py sums by position in the sequence. Memory: an fp32
+    [V, H] grad_weight plus 6 * chunk_size * V bytes (1.7 GiB at the default chunk and V = 151,936)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1 or hidden.shape[1] != weight.shape[1] \

@@ -1,27 +1,24 @@
-"""Qwen3 and Qwen3-MoE for million-token training, in three parts:
+"""Qwen3 for million-token training, in two parts:
 
-1. The plain Qwen3: config, RoPE with YaRN, RMSNorm, attention, SwiGLU MLP, the mixture-of-experts block of
-   Qwen3-MoE, the decoder. It reads like transformers' modeling_qwen3.py and modeling_qwen3_moe.py (same names;
-   the experts' weights stacked [E, ...], the hub's one-Linear-per-expert layout at load and save) and can be
-   diffed against them.
-2. Memory levers: what lets one sequence of a million tokens fit. Custom autograd Functions that keep less
-   than autograd would (RMSNorm, RoPE, the tiled MLP), and the recomputed block, whose kept tensors can live
-   in pinned host memory (HostOffload). The whole life of a recomputed block is told once, in that section.
-3. HF I/O: safetensors load and save in the layout transformers reads, and load_or_init_state_dict, the one
-   place where weights are read or drawn.
+1. The plain Qwen3: config, RoPE with YaRN, RMSNorm, attention, SwiGLU MLP, the decoder. It reads like
+   transformers' modeling_qwen3.py (same names) and can be diffed against it.
+2. Memory levers: what lets one sequence of a million tokens fit. The recomputed block, whose kept tensors can
+   live in pinned host memory (HostOffload), told once at the top of that section; custom autograd Functions
+   that keep less than autograd would (RMSNorm, RoPE, the tiled MLP).
 
 The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
 (causal SDPA on one device, the ring of parallel.py under context parallelism); for a window of several documents,
-`attn_fn(q, k, v, doc_lens)`.
+`attn_fn(q, k, v, doc_lens)`. Extensions: moe.py (Qwen3-MoE, a subclass of Qwen3 whose blocks take another MLP),
+hf.py (HF checkpoints: from_pretrained, save_pretrained).
 
     python -c "from model import *; m = Qwen3(Qwen3Config.tiny()); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
+    python -m pytest tests/test_model.py -q
 """
 import dataclasses
 import functools
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +26,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loss import addmm_fp32_, chunked_nll  # the tiled MLP's weight gradients share the loss's fp32 GEMM
-
-HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 
 # =============================================================================================
 # 1. The plain Qwen3
@@ -42,9 +37,8 @@ def refuse_unsupported(d: dict):
     in every layer."""
     where = d.get("_name_or_path", "config.json")
     if d.get("model_type") not in ("qwen3", "qwen3_moe"):
-        raise ValueError(f"{where}: model_type is {d.get('model_type')!r}; this trainer supports Qwen3 ('qwen3') "
-                         "and Qwen3-MoE ('qwen3_moe') only (context parallelism needs full causal attention in "
-                         "every layer).")
+        raise ValueError(f"{where}: model_type {d.get('model_type')!r} is not supported; supported: 'qwen3' "
+                         "(Qwen3) and 'qwen3_moe' (Qwen3-MoE).")
     experts = d.get("num_experts", d.get("num_local_experts"))
     if d["model_type"] == "qwen3" and experts:
         raise ValueError(f"{where}: num_experts in a 'qwen3' config, which transformers builds dense; a "
@@ -54,8 +48,7 @@ def refuse_unsupported(d: dict):
         raise ValueError(f"{where}: a 'qwen3_moe' config needs num_experts >= num_experts_per_tok >= 1 and "
                          "decoder_sparse_step >= 1 (with no experts, use a dense 'qwen3' config).")
     if d.get("use_sliding_window"):
-        raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full causal attention "
-                         "in every layer. Use a config with use_sliding_window: false.")
+        raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full attention in every layer")
     bad_layers = sorted({t for t in d.get("layer_types") or [] if t != "full_attention"})
     if bad_layers:
         raise ValueError(f"{where}: layer_types has {bad_layers}; only 'full_attention' layers are supported.")
@@ -82,6 +75,12 @@ def parse_rope(d: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+SAVED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "output_router_logits", "router_aux_loss_coef")
+
+
 @dataclass
 class Qwen3Config:
     vocab_size: int = 151936
@@ -106,7 +105,7 @@ class Qwen3Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)  # dense layers among the sparse ones
-    output_router_logits: bool = False  # true: the loss adds router_aux_loss_coef x the load-balancing loss
+    output_router_logits: bool = False  # true: router_aux_loss_coef x the load-balancing loss joins the objective
     router_aux_loss_coef: float = 0.001
     raw: dict = field(default_factory=dict, repr=False)  # the config.json as read, written back on save
 
@@ -119,9 +118,7 @@ class Qwen3Config:
         moe = {}
         if d["model_type"] == "qwen3_moe":  # transformers saves num_experts as num_local_experts; both are read
             moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
-                       **{k: d[k] for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                                            "decoder_sparse_step", "output_router_logits", "router_aux_loss_coef")
-                          if d.get(k) is not None},
+                       **{k: d[k] for k in MOE_FIELDS[1:] if d.get(k) is not None},
                        mlp_only_layers=list(d.get("mlp_only_layers") or []))
         return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                    intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -172,12 +169,8 @@ class Qwen3Config:
     def to_dict(self) -> dict:
         """config.json for save_pretrained: the original fields, with the RoPE this run trained with."""
         d = dict(self.raw)
-        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=self.vocab_size,
-                 hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                 num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                 num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                 rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
-                 max_position_embeddings=self.max_position_embeddings, hidden_act="silu", attention_bias=False)
+        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **{k: getattr(self, k) for k in SAVED_FIELDS},
+                 hidden_act="silu", attention_bias=False)
         rope = {"rope_type": "yarn", **self.rope_scaling} if self.rope_scaling else {"rope_type": "default"}
         if "rope_parameters" in d:  # keep the style the checkpoint came in
             d["rope_parameters"] = {**rope, "rope_theta": self.rope_theta}
@@ -185,11 +178,8 @@ class Qwen3Config:
             d["rope_theta"], d["rope_scaling"] = self.rope_theta, (rope if self.rope_scaling else None)
         if self.num_experts:
             d.pop("num_local_experts", None)  # one name for it: the hub's
-            d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=self.num_experts,
-                     num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
-                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
-                     mlp_only_layers=list(self.mlp_only_layers), output_router_logits=self.output_router_logits,
-                     router_aux_loss_coef=self.router_aux_loss_coef)
+            d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                     **{k: getattr(self, k) for k in MOE_FIELDS}, mlp_only_layers=list(self.mlp_only_layers))
         return d
 
 
@@ -290,138 +280,43 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.tile = 0  # rows per tile along the sequence (a memory lever, section 2); 0 = untiled
 
+    def weights(self):
+        """(W_gate, W_up, W_down), the weights the SwiGLU applies: the one place that reads the projections (a
+        subclass that changes them, e.g. adapters on top, returns the weights they amount to)."""
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
     def forward(self, x, value_is_read=True):
         """down(silu(gate(x)) * up(x)). value_is_read=False: only the output's gradient graph will be used
         (the recomputed block's backward), so the tiled MLP may skip computing its value."""
-        ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        ws = self.weights()
         if self.tile and x.shape[-2] > self.tile:
             return _TiledMLP.apply(x, self.tile, value_is_read, *ws)
         return _swiglu(x, *ws)
 
 
-# --- Mixture of experts (Qwen3-MoE) ------------------------------------------------------------
-
-def route(x, w_router, top_k: int, norm_topk_prob: bool):
-    """transformers' Qwen3MoeTopKRouter: x [N, H] -> probs [N, E] (the softmax in fp32, float64 for a float64
-    model), weights [N, k] (the top-k probabilities, renormalised to sum 1 when norm_topk_prob, then cast to x's
-    dtype), experts [N, k] int64. torch.topk chooses, so ties go as they go in transformers."""
-    probs = F.linear(x, w_router).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32))
-    top, experts = probs.topk(top_k, dim=-1)
-    if norm_topk_prob:
-        top = top / top.sum(-1, keepdim=True)
-    return probs, top.to(x.dtype), experts
-
-
-def experts_loop(x, weights, experts, w_gate, w_up, w_down):
-    """Each expert's tokens gathered, its SwiGLU, the outputs added back weighted, expert after expert (the loop of
-    transformers' Qwen3MoeExperts): x [N, H], weights and experts [N, k], w_gate/w_up [E, I, H], w_down [E, H, I]
-    -> [N, H]. The path on CPU, and the oracle of the grouped GEMM."""
-    out = torch.zeros_like(x)
-    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)  # one backward node, not one per expert
-    for e in range(len(gates)):
-        tok, slot = (experts == e).nonzero(as_tuple=True)                          # [n_e] each
-        if tok.numel():
-            y = _swiglu(x.index_select(0, tok), gates[e], ups[e], downs[e])       # [n_e, H]
-            out.index_add_(0, tok, y * weights[tok, slot, None])
-    return out
-
-
-def experts_grouped(x, weights, experts, w_gate, w_up, w_down):
-    """experts_loop with the (token, slot) pairs sorted by expert once and one grouped GEMM per projection
-    (torch._grouped_mm: bf16 on CUDA; its CPU fallback serves the tests). Plain autograd: the backward reuses
-    the saved order, offsets and gathered rows; the output is put back by a permutation, with no atomic adds."""
-    N, k = experts.shape
-    flat = experts.reshape(-1)                                                   # [N*k]
-    order = flat.argsort(stable=True)                                            # [N*k] pairs grouped by expert
-    counts = torch.zeros(w_gate.shape[0], dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-    ends = counts.cumsum(0).to(torch.int32)                                      # [E] each expert's last row + 1
-    xs = x.index_select(0, order // k)                                           # [N*k, H] sorted by expert
-    g = torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=ends)                 # [N*k, I]
-    u = torch._grouped_mm(xs, w_up.transpose(1, 2), offs=ends)
-    ys = torch._grouped_mm(fused(_silu_mul, g)(g, u), w_down.transpose(1, 2), offs=ends)   # [N*k, H]
-    y = ys.index_select(0, order.argsort())                                      # [N*k, H] back in (token, slot) order
-    return (y.view(N, k, -1) * weights[..., None]).sum(1)                        # [N, H]
-
-
-def grouped_gemm_ok(x, w_gate) -> bool:
-    """torch._grouped_mm's CUDA kernel: bf16, rows 16-byte aligned (hidden and moe_intermediate multiples of 8)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0)
-
-
-def moe_rows(x, w_router, w_gate, w_up, w_down, top_k, norm_topk_prob):
-    """The MoE block on rows: x [N, H] -> (y [N, H], counts [E] float64: the top-k choices of each expert,
-    prob_sums [E] fp32 (float64 for float64): the router's probabilities summed over the rows). The last two are
-    what the load-balancing loss needs (Qwen3.router_aux_loss)."""
-    probs, weights, experts = route(x, w_router, top_k, norm_topk_prob)
-    run = experts_grouped if grouped_gemm_ok(x, w_gate) else experts_loop
-    y = run(x, weights, experts, w_gate, w_up, w_down)
-    flat = experts.reshape(-1)
-    counts = torch.zeros(w_router.shape[0], dtype=torch.float64, device=x.device).index_add_(
-        0, flat, torch.ones(flat.shape, dtype=torch.float64, device=x.device))
-    return y, counts, probs.sum(0)
-
-
-class Experts(nn.Module):
-    """num_experts SwiGLU MLPs of moe_intermediate_size, each projection's weights stacked [E, out, in]: one
-    grouped GEMM per projection, and one tensor for FSDP2 to shard. The hub stores one Linear per expert
-    (experts.E.gate_proj.weight): hf_names converts at load and save."""
-
-    def __init__(self, cfg: Qwen3Config):
-        super().__init__()
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = nn.Parameter(torch.empty(E, I, H).normal_(0.0, cfg.initializer_range))
-        self.up_proj = nn.Parameter(torch.empty(E, I, H).normal_(0.0, cfg.initializer_range))
-        self.down_proj = nn.Parameter(torch.empty(E, H, I).normal_(0.0, cfg.initializer_range))
-
-
-class SparseMoE(nn.Module):
-    """Qwen3-MoE's feed-forward block: the router (gate) sends each token to its top-k experts and adds their
-    outputs, weighted by the router's probabilities."""
-
-    def __init__(self, cfg: Qwen3Config):
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(cfg)
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.tile = 0  # rows per tile, as MLP.tile: routed and computed a tile at a time (section 2); 0 = untiled
-
-    def forward(self, x, value_is_read=True):
-        """x [B, T, H] -> (y [B, T, H], counts [E], prob_sums [E]) (moe_rows); value_is_read as for MLP."""
-        rows = x.reshape(-1, x.shape[-1])                                        # [B*T, H]
-        ws = (self.gate.weight, self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
-        with torch.profiler.record_function("moe"):  # named in profiles (bench/profile_step.py: "experts")
-            if self.tile and rows.shape[0] > self.tile:
-                y, counts, prob_sums = _TiledMoE.apply(rows, self.tile, value_is_read, self.top_k, self.norm_topk_prob,
-                                                       *ws)
-            else:
-                y, counts, prob_sums = moe_rows(rows, *ws, self.top_k, self.norm_topk_prob)
-        return y.view(x.shape), counts, prob_sums
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: Qwen3Config, index: int):
+    def __init__(self, cfg: Qwen3Config, index: int, mlp: nn.Module):
+        """mlp: the feed-forward module, mlp(x, value_is_read) -> y, or (y, *extras) (see body), with a `tile`
+        attribute (set_levers)."""
         super().__init__()
         self.index = index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.sparse = cfg.sparse(index)
-        self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
-        self.router_stats = self.sparse and cfg.output_router_logits  # hand the load-balancing loss its sums
+        self.mlp = mlp
         # memory levers (section 2), set by Qwen3.set_levers
         self.recompute = False       # keep only the block's input; recompute the rest in backward
         self.keep_attention = False  # ... and attention's output + lse, so the recompute skips attention
         self.offload = None          # a HostOffload (shared by the blocks) holding what is kept, or None
 
     def body(self, x, cos, sin, attend, mlp_value_is_read=True, doc_lens=None):
-        """x [B, T, H] -> (y [B, T, H],) or, with router_stats, (y, counts [E], prob_sums [E]) (moe_rows): a flat
-        tuple of tensors, so that the recomputed block can return it as its outputs."""
+        """x [B, T, H] -> (y [B, T, H], *extras): extras are the tensors the MLP hands out besides its output (a
+        MoE's router statistics, for Qwen3.aux_loss); a flat tuple, so that the recomputed block can return it as
+        its outputs."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, doc_lens)
-        if not self.sparse:
-            return (h + self.mlp(self.post_attention_layernorm(h), mlp_value_is_read),)
-        y, counts, prob_sums = self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
-        return (h + y, counts, prob_sums) if self.router_stats else (h + y,)
+        out = self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
+        y, *extras = (out,) if isinstance(out, torch.Tensor) else out
+        return (h + y, *extras)
 
     def forward(self, x, cos, sin, attn_fn, doc_lens=None):
         """-> body's tuple."""
@@ -431,26 +326,35 @@ class Block(nn.Module):
 
 
 class Qwen3(nn.Module):
-    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention, cp_sum=None):
-        """cp_sum(t): sums a tensor in place over the ranks that hold parts of the same sequences (train.py: an
-        all_reduce over the context-parallel group); None on one device. Only the load-balancing loss uses it."""
+    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention):
         super().__init__()
-        self.cfg, self.attn_fn, self.cp_sum = cfg, attn_fn, cp_sum
+        self.cfg, self.attn_fn = cfg, attn_fn
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.block_mlp(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def block_mlp(self, index: int) -> nn.Module:
+        """The MLP of block `index`: SwiGLU. A subclass may give another (moe.Qwen3MoE: its sparse layers')."""
+        if self.cfg.num_experts:
+            raise ValueError(f"a Qwen3-MoE config ({self.cfg.num_experts} experts) builds moe.Qwen3MoE, not Qwen3")
+        return MLP(self.cfg)
+
+    def aux_loss(self, extras: list, rows: int, n_valid) -> torch.Tensor:
+        """A loss term on loss_sum's scale from what blocks' MLPs hand out besides their outputs (extras: a list
+        per such block) over this rank's rows, n_valid of them trained. Dense MLPs hand out nothing."""
+        raise NotImplementedError(f"{type(self).__name__}: the blocks' MLPs hand out extras; define aux_loss")
 
     def head_weight(self):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=2048, doc_lens=None):
         """input_ids [B, T] -> hidden [B, T, H] after the final norm; with labels [B, T], the chunked
-        (loss_sum fp32, n_valid) instead, computed here so that FSDP2 gathers the head weight once per step.
-        doc_lens: the window's documents (their lengths in order over the whole window, the same in every row;
-        under context parallelism the global window, not this rank's shard): attention stays inside each. Then
-        position_ids [B, T] must be given, each document's counting from 0 (zigzag-sharded like the tokens).
-        A MoE with output_router_logits adds its load-balancing loss to loss_sum (router_aux_loss)."""
+        (loss_sum fp32, n_valid) instead (loss.NLL), computed here so that FSDP2 gathers the head weight once per
+        step. doc_lens: the window's documents (their lengths in order over the whole window, the same in every
+        row; under context parallelism the global window, not this rank's shard): attention stays inside each.
+        Then position_ids [B, T] must be given, each document's counting from 0 (zigzag-sharded like the tokens).
+        Where blocks hand out extras, aux_loss of them comes apart from loss_sum, as the result's aux_sum."""
         B, T = input_ids.shape
         if doc_lens is not None and position_ids is None:
             raise ValueError("doc_lens needs position_ids: the positions inside each document, from 0")
@@ -459,45 +363,20 @@ class Qwen3(nn.Module):
         dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # [B, T, D] fp32
         x = self.embed_tokens(input_ids)                                                  # [B, T, H]
-        counts, prob_sums = [], []  # per sparse layer, with output_router_logits: [E] each (moe_rows)
+        extras = []  # per block whose MLP hands out more than its output
         for block in self.layers:
-            x, *stats = block(x, cos, sin, self.attn_fn, doc_lens)
-            if stats:
-                counts.append(stats[0])
-                prob_sums.append(stats[1])
+            x, *more = block(x, cos, sin, self.attn_fn, doc_lens)
+            if more:
+                extras.append(more)
         h = self.norm(x)
         if labels is None:
             return h
         with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
             out = chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
-        if prob_sums:
-            aux = self.router_aux_loss(torch.stack(counts).sum(0), torch.stack(prob_sums).sum(0), len(prob_sums),
-                                       B * T, out.n_valid)
-            out = dataclasses.replace(out, loss_sum=out.loss_sum + aux.to(out.loss_sum.dtype))
+        if extras:
+            aux = self.aux_loss(extras, B * T, out.n_valid)
+            out = dataclasses.replace(out, aux_sum=aux.to(out.loss_sum.dtype))
         return out
-
-    def router_aux_loss(self, counts, prob_sums, layers: int, rows: int, n_valid):
-        """router_aux_loss_coef x transformers' load_balancing_loss_func x the trained tokens, this rank's share:
-        the loss is a sum that train.py divides by the trained-token count, and then this term adds exactly
-        coef * aux to the mean, as transformers' outputs.loss has it.
-
-        counts [E] (float64) and prob_sums [E] are summed over this rank's rows and the `layers` sparse layers.
-        transformers' aux over all layers' rows (R of them, every token, trained or not) is
-        E * sum_e (C_e / R) * (P_e / R), for the top-k counts C and probability sums P. The counts carry no
-        gradient, so once C, R and the trained tokens are summed over the context-parallel group (cp_sum: one
-        all-reduce of E + 2 numbers), each rank's E * sum_e C_e * P_e(this rank) / R^2 is an exact share of the
-        sequence's aux, in value and in gradient: cp 2 or 4 gives what one process gives, up to rounding.
-        Under data parallelism (or --grad_accum) each sequence has its own aux, weighted by its trained tokens.
-        Two differences from transformers, both rounding only: the counts come from the routing's top-k of fp32
-        probabilities (transformers takes top-k again of a softmax in the model's dtype, bf16 in training), and
-        P sums fp32 probabilities."""
-        E = self.cfg.num_experts
-        totals = torch.cat([counts, counts.new_tensor([rows]), n_valid.reshape(1).to(counts.dtype)])  # [E + 2]
-        if self.cp_sum is not None:
-            self.cp_sum(totals)
-        C, R, n = totals[:E], totals[E] * layers, totals[E + 1]
-        share = ((E * C / R**2).to(prob_sums.dtype) * prob_sums).sum()
-        return self.cfg.router_aux_loss_coef * n.to(share.dtype) * share
 
     def logits(self, input_ids, position_ids=None, doc_lens=None):
         """Full logits [B, T, V], for tests and short evaluation only."""
@@ -529,22 +408,6 @@ class Qwen3(nn.Module):
             b.keep_attention = b.index < k
         return self
 
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention,
-                        seed: int = 0):
-        """An HF Qwen3 folder or hub id -> the model in dtype on device; a folder with only a config.json gives
-        weights drawn from `seed` (load_or_init_state_dict)."""
-        path = local_folder(path_or_hub_id)
-        cfg = Qwen3Config.from_pretrained(path)
-        with torch.device("meta"):
-            model = cls(cfg, attn_fn)
-        sd = load_or_init_state_dict(path, cfg, list(model.state_dict()), dtype, seed, device)
-        model.load_state_dict({n: t.to(device) for n, t in sd.items()}, assign=True)
-        return model
-
-    def save_pretrained(self, out_dir: str, state_dict=None, max_shard_bytes: int = HF_SHARD_BYTES):
-        save_hf(out_dir, self.cfg, state_dict if state_dict is not None else self.state_dict(), max_shard_bytes)
-
 
 # =============================================================================================
 # 2. Memory levers
@@ -566,10 +429,14 @@ class Qwen3(nn.Module):
 #     doc_lens to each of these calls (the block keeps it for its backward).
 #   - MLP: the recomputed output's value is never read (only its gradient graph is), so the tiled MLP skips
 #     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
-# Then autograd runs the rebuilt graph backward from the block's output gradient (and, for a MoE block under the
-# load-balancing loss, from the gradient of its router's probability sums, a second output of the block). The
+# Then autograd runs the rebuilt graph backward from the block's output gradient (and from the gradients of those
+# extras that carry one, such as a MoE block's router probability sums under the load-balancing loss). The
 # block's parameters are not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as
 # reentrant checkpointing does), and FSDP2's post-backward hook reduce-scatters them.
+#
+# GPU memory: with every block offloaded, two blocks' kept tensors are on the GPU at a time (the one running
+# backward and the one brought back ahead of it). A block without an offload keeps its own there from its
+# forward to its backward.
 
 
 class _KeptAttention:
@@ -613,9 +480,7 @@ class _RecomputedBlock(torch.autograd.Function):
         ctx.block, ctx.attn_fn, ctx.doc_lens = block, attn_fn, doc_lens
         attend = _KeptAttention(attn_fn) if block.keep_attention and hasattr(attn_fn, "fwd") else attn_fn
         with torch.no_grad():
-            y, *stats = block.body(x, cos, sin, attend, doc_lens=doc_lens)
-        if stats:  # the router's counts are integers (no gradient); its probability sums carry one
-            ctx.mark_non_differentiable(stats[0])
+            y, *extras = block.body(x, cos, sin, attend, doc_lens=doc_lens)
         kept = {"x": x}
         if isinstance(attend, _KeptAttention):
             kept.update(out=attend.out, lse=attend.lse)
@@ -625,10 +490,10 @@ class _RecomputedBlock(torch.autograd.Function):
                 block.offload.save((block.index, name), t)
             kept = {}
         ctx.save_for_backward(cos, sin, *kept.values())
-        return y, *stats
+        return y, *extras
 
     @staticmethod
-    def backward(ctx, dy, *dstats):
+    def backward(ctx, dy, *dextras):
         block = ctx.block
         cos, sin, *kept = ctx.saved_tensors
         if block.offload is not None:
@@ -639,9 +504,10 @@ class _RecomputedBlock(torch.autograd.Function):
             attend = functools.partial(_replay_attention, out=kept["out"], lse=kept["lse"], attn_fn=ctx.attn_fn)
         with torch.enable_grad():
             x = kept["x"].detach().requires_grad_()
-            y, *stats = block.body(x, cos, sin, attend, mlp_value_is_read=False, doc_lens=ctx.doc_lens)
-            # with router stats, the load-balancing loss's gradient enters through the probability sums
-            torch.autograd.backward([y, *stats[1:]], [dy, *dstats[1:]])
+            outs = block.body(x, cos, sin, attend, mlp_value_is_read=False, doc_lens=ctx.doc_lens)
+            # every extra left as a differentiable output; those that need no gradient (a MoE's counts) get none
+            pairs = [(t, g) for t, g in zip(outs, (dy, *dextras)) if t.requires_grad]
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return x.grad, None, None, None, None, None
 
 
@@ -679,7 +545,7 @@ class HostOffload:
             buf.copy_(x, non_blocking=True)
             self.copied[key[0]] = stream.record_event()
         x.record_stream(stream)  # the allocator must not hand x's memory out before the copy has read it
-        # Wait for the copies two blocks back, else the CPU runs ahead and freed tensors pile up (bench/NOTES.md, v5)
+        # Wait for the copies two blocks back, else the CPU runs ahead and freed tensors pile up
         earlier = self.copied.pop(key[0] - 2, None)
         if earlier is not None:
             earlier.synchronize()
@@ -689,7 +555,7 @@ class HostOffload:
         stream = self._side_stream(device)
         if stream is None:
             return buf.clone(), None
-        # Allocated on the compute stream: reused in its order, however far the CPU runs ahead (bench/NOTES.md, v4)
+        # Allocated on the compute stream: reused in its order, however far the CPU runs ahead
         x = torch.empty_like(buf, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -714,8 +580,7 @@ class HostOffload:
 
 def pinned_size(nbytes: int) -> int:
     """What torch's pinned-memory allocator (CachingHostAllocator) takes for a buffer: it rounds every allocation
-    up to a power of two. At Qwen3-4B's hidden 2560 a block input of 0.625 GiB takes 1 GiB; at the 8B's 4096 and
-    power-of-two lengths nothing is lost."""
+    up to a power of two (a 0.625 GiB block input takes 1 GiB)."""
     return 1 << max(nbytes - 1, 0).bit_length()
 
 
@@ -747,8 +612,7 @@ def _rms_norm_backward(dy, x, w, rstd):
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """RMSNorm keeping only x and rstd for backward. Autograd of the same formula keeps fp32 copies of x
-    (1.25 GiB each for a 131k x 2560 input, Qwen3-4B's width): 4.4 GiB off the Qwen3-4B/131k peak (bench/NOTES.md)."""
+    """RMSNorm keeping only x and rstd for backward: autograd of the same formula keeps fp32 copies of x."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -826,165 +690,3 @@ class _TiledMLP(torch.autograd.Function):
             addmm_fp32_(dwg, dg.T, xt)
             addmm_fp32_(dwu, du.T, xt)
         return dx.view(x.shape), None, None, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype)
-
-
-class _TiledMoE(torch.autograd.Function):
-    """The MoE block over tiles of rows, as _TiledMLP: each tile routed and computed on its own, forward and
-    backward, so that the tokens' routed copies [t*k, H] and the experts' [t*k, moe_intermediate] tensors exist one
-    tile at a time (whole, at 131,072 tokens a rank, top-8 of Qwen3-30B-A3B: 1.5 GiB for each [N*k, 768] and 4 GiB
-    for each [N*k, 2048] in bf16). The backward recomputes each tile under autograd (the same rows route the same
-    way) and sums the tiles' weight gradients in fp32 buffers, rounded to the weights' dtype once at the end (each
-    tile's own comes out of autograd in that dtype): 3 x E x I x H x 4 bytes while a block runs backward (2.3 GiB
-    for Qwen3-30B-A3B)."""
-
-    @staticmethod
-    def forward(ctx, x, tile, value_is_read, top_k, norm_topk_prob, *ws):
-        # x [N, H]; ws: router [E, H], gate and up [E, I, H], down [E, H, I]
-        ctx.tile, ctx.routing = tile, (top_k, norm_topk_prob)
-        ctx.save_for_backward(x, *ws)
-        counts = torch.zeros(ws[0].shape[0], dtype=torch.float64, device=x.device)                     # [E]
-        prob_sums = torch.zeros(ws[0].shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-        ctx.mark_non_differentiable(counts)
-        if not value_is_read:  # a recomputed block's backward: only the graph is used (as in _TiledMLP)
-            return x.new_empty(x.shape), counts, prob_sums
-        y = torch.empty_like(x)
-        for xt, yt in zip(x.split(tile), y.split(tile)):
-            out, c, p = moe_rows(xt, *ws, top_k, norm_topk_prob)
-            yt.copy_(out)
-            counts += c
-            prob_sums += p
-        return y, counts, prob_sums
-
-    @staticmethod
-    def backward(ctx, dy, _, dprob_sums):
-        with torch.profiler.record_function("moe"):
-            return _TiledMoE._backward(ctx, dy, dprob_sums)
-
-    @staticmethod
-    def _backward(ctx, dy, dprob_sums):
-        x, *ws = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in ws]
-        for xt, dyt, dxt in zip(x.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
-            with torch.enable_grad():
-                leaves = [xt.detach().requires_grad_(), *(w.detach().requires_grad_() for w in ws)]
-                yt, _, pt = moe_rows(*leaves, *ctx.routing)
-                grads = torch.autograd.grad([yt, pt], leaves, [dyt, dprob_sums], materialize_grads=True)
-            dxt.copy_(grads[0])
-            for a, g in zip(acc, grads[1:]):
-                a += g
-        return dx, None, None, None, None, *(a.to(w.dtype) for a, w in zip(acc, ws))
-
-
-# =============================================================================================
-# 3. HF I/O
-# =============================================================================================
-
-def hf_name(name: str) -> str:
-    return name if name.startswith("lm_head.") else "model." + name
-
-
-def hf_names(name: str, num_experts: int) -> list[str]:
-    """Our parameter name -> its tensors' names in an HF checkpoint: one, or for stacked expert weights
-    (layers.N.mlp.experts.gate_proj [E, I, H]) the hub's one per expert (model.layers.N.mlp.experts.E.gate_proj
-    .weight), the layout every transformers version loads (5.x fuses them on load, and splits them on save)."""
-    module, _, weight = name.rpartition(".")
-    if module.endswith(".mlp.experts"):
-        return [f"model.{module}.{e}.{weight}.weight" for e in range(num_experts)]
-    return [hf_name(name)]
-
-
-def local_folder(path_or_hub_id: str) -> str:
-    """A local folder as is; otherwise a hub id fetched with snapshot_download (config, weights, tokenizer)."""
-    if os.path.isdir(path_or_hub_id):
-        return path_or_hub_id
-    looks_local = path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1
-    if looks_local:
-        raise FileNotFoundError(f"{path_or_hub_id!r}: no such folder, and not a hub id of the form 'org/name'. "
-                                "Pass a folder with config.json (+ *.safetensors) or a hub id such as Qwen/Qwen3-8B.")
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(path_or_hub_id, allow_patterns=["config.json", "*.safetensors", "*.json",
-                                                                 "tokenizer*", "*.txt"])
-    except Exception as e:  # network, auth, missing repo: all end the same way for the user
-        raise ConnectionError(f"could not download {path_or_hub_id!r} from the Hugging Face hub ({type(e).__name__}: "
-                              f"{e}). Check the network and HF_TOKEN, or download it elsewhere and pass the local "
-                              "folder instead.") from e
-
-
-def load_hf_state_dict(path: str, names: list[str], dtype, num_experts: int = 0) -> dict | None:
-    """Our parameter names -> tensors from (possibly sharded) safetensors, the experts' stacked; None when the
-    folder has none."""
-    from safetensors import safe_open
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        return None
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
-    tensors = {}
-    for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as st:
-            for k in st.keys():
-                tensors[k] = st.get_tensor(k)
-    want = {n: hf_names(n, num_experts) for n in names}
-    missing = sorted(h for hs in want.values() for h in hs if h not in tensors)
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    extra = sorted(set(tensors) - {h for hs in want.values() for h in hs} - {"lm_head.weight"})  # tied models may
-    if extra:                                                                                 # still carry a head
-        raise ValueError(f"{path}: checkpoint has weights this Qwen3 does not, e.g. {extra[:3]}")
-    # each tensor read is dropped once used: the stacked experts do not hold a second copy of the checkpoint
-    return {n: (torch.stack([tensors.pop(h) for h in hs]) if len(hs) > 1 else tensors.pop(hs[0])).to(dtype)
-            for n, hs in want.items()}
-
-
-def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str], dtype, seed: int,
-                            device) -> dict:
-    """The full state dict {name: tensor in dtype}: read from path's *.safetensors (on the CPU), or drawn on
-    `device` by init_weights from `seed` where there are none (path None, or a folder with only a config.json,
-    with a warning). The draw is the same for any world size: runs at different cp agree on it."""
-    sd = load_hf_state_dict(path, names, dtype, mcfg.num_experts) if path else None
-    if sd is not None:
-        return sd
-    if path:
-        warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation")
-    with torch.device(device):
-        ref = Qwen3(mcfg).to(dtype)
-    ref.init_weights(torch.Generator(device).manual_seed(seed))
-    return ref.state_dict()
-
-
-def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):
-    """config.json + safetensors shards (+ index when sharded) that transformers loads as Qwen3ForCausalLM (or
-    Qwen3MoeForCausalLM, the experts one tensor each, as on the hub)."""
-    from safetensors.torch import save_file
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = {}
-    for n, t in state_dict.items():
-        t, hs = t.detach().cpu(), hf_names(n, cfg.num_experts)
-        # an expert's slice is cloned: safetensors refuses tensors that share memory
-        tensors.update({hs[0]: t.contiguous()} if len(hs) == 1 else {h: t[e].clone() for e, h in enumerate(hs)})
-    shards, size = [{}], 0
-    for k, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k], size = t, size + nbytes
-    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    umask = os.umask(0o022)
-    os.umask(umask)
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)  # safetensors writes 0600: others could not read it
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
-            json.dump(index, fh, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump({**cfg.to_dict(), "torch_dtype": dtype, "dtype": dtype}, fh, indent=2)

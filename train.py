@@ -46,13 +46,15 @@ import chat
 import checkpoint
 import data
 import documents
+import hf
 import kernels
+import moe
 import optim
 import packing
 import parallel
 import plan
 import rundir
-from model import Qwen3, Qwen3Config, load_or_init_state_dict, local_folder, save_hf
+from model import Qwen3, Qwen3Config
 
 EXIT_PREEMPTED = 75  # a signal asked the run to stop; it saved a checkpoint: relaunch the same command to continue
 
@@ -463,7 +465,7 @@ def setup(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Setup:
 def model_folder(spec: str) -> str:
     """--model as a local folder (a hub id is downloaded); errors name the flag."""
     try:
-        return local_folder(spec)
+        return hf.local_folder(spec)
     except (OSError, ValueError) as e:
         raise type(e)(f"--model {e}") from None
 
@@ -478,10 +480,12 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
         mcfg = mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
     plan_levers(cfg, mcfg, mesh.size(), given, device, log)
     pdtype = getattr(torch, cfg.param_dtype)
-    # the load-balancing loss of a MoE sums the router's counts over the ranks of a sequence (Qwen3.router_aux_loss)
     cp_group = mesh.get_group("cp")
     with torch.device("meta"):
-        model = Qwen3(mcfg, attn_fn, cp_sum=lambda t: dist.all_reduce(t, group=cp_group)).to(pdtype)
+        if mcfg.num_experts:  # its load-balancing loss sums the router's counts over the ranks of a sequence
+            model = moe.Qwen3MoE(mcfg, attn_fn, cp_sum=lambda t: dist.all_reduce(t, group=cp_group)).to(pdtype)
+        else:
+            model = Qwen3(mcfg, attn_fn).to(pdtype)
     shapes = {n: list(t.shape) for n, t in model.state_dict().items()}  # before sharding (then it is collective)
     lv = levers(cfg, mcfg.num_hidden_layers)
     model.set_levers(recompute=cfg.recompute, offload=lv.offload_layers > 0, offload_layers=lv.offload_layers,
@@ -494,7 +498,7 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
     model.to_empty(device=device)
     held = {}  # rank 0 keeps the full weights; only the error, if any, is shared
     # the same random draw for any world size: the cp-equivalence of runs depends on it
-    on_rank0(lambda: held.update(sd=load_or_init_state_dict(path, mcfg, list(shapes), pdtype, cfg.seed, device)))
+    on_rank0(lambda: held.update(sd=hf.load_or_init_state_dict(path, mcfg, list(shapes), pdtype, cfg.seed, device)))
     set_model_state_dict(model, held.get("sd", {}),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model, mcfg, path, shapes
@@ -658,26 +662,29 @@ def step_counts(batch: list[data.Micro], cp_rank: int, device) -> tuple[int, int
 
 
 def train_step(model, opt, batch: list[data.Micro], n_trained: int, cfg: TrainConfig, lr: float):
-    """Forward + backward over the micro-batches, clip, AdamW. -> (loss, grad_norm, applied, loss_by_position),
-    where loss is the global mean NLL over the n_trained target tokens of every rank and micro-batch (a rank
-    holding none still runs every collective, adding zero), and loss_by_position the same mean over each of
-    --loss_buckets spans of position. A non-finite loss or grad norm (the same on every rank: both are
-    all-reduced), or a step with nothing to train on, skips the update: no weight changes."""
+    """Forward + backward over the micro-batches, clip, AdamW. -> (loss, grad_norm, applied, loss_by_position,
+    aux_loss), where loss is the global mean NLL over the n_trained target tokens of every rank and micro-batch (a
+    rank holding none still runs every collective, adding zero), loss_by_position the same mean over each of
+    --loss_buckets spans of position, and aux_loss the model's auxiliary term on the same scale (a MoE's
+    load-balancing loss; None for a dense model), which the gradient includes and loss does not. A non-finite
+    loss or grad norm (the same on every rank: both are all-reduced), or a step with nothing to train on, skips
+    the update: no weight changes."""
     for g in opt.param_groups:
         g["lr"] = lr
     sums = PositionSums(cfg.seq_len, cfg.loss_buckets, batch[0].labels.device)
     for m in batch:
         out = model(m.inputs, m.positions, m.labels, loss_chunk=cfg.loss_chunk, doc_lens=m.doc_lens)
-        (out.loss_sum / max(n_trained, 1)).backward()  # each rank's share of the global mean; FSDP2 sums gradients
+        (out.total() / max(n_trained, 1)).backward()  # each rank's share of the global mean; FSDP2 sums gradients
         sums.add(out, m)
-    loss_sum, by_position = sums.reduce()
+    loss_sum, aux_sum, by_position = sums.reduce()
     grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     loss = loss_sum / max(n_trained, 1)
     applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm)) and n_trained > 0
     if applied:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item(), grad_norm.item(), applied, by_position
+    aux = None if aux_sum is None else aux_sum.item() / max(n_trained, 1)
+    return loss.item(), grad_norm.item(), applied, by_position, aux
 
 
 class PositionSums:
@@ -687,26 +694,32 @@ class PositionSums:
     values; reduce() is one all-reduce of 2k + 1 numbers, the collective the loss alone needed anyway."""
 
     def __init__(self, seq_len: int, k: int, device):
-        self.seq_len, self.k = seq_len, k
-        self.acc = torch.zeros(1 + 2 * k, device=device)  # [loss sum, loss sum by span, targets by span]
+        self.seq_len, self.k, self.has_aux = seq_len, k, False
+        # [loss sum, auxiliary loss sum, loss sum by span, targets by span]
+        self.acc = torch.zeros(2 + 2 * k, device=device)
 
     def add(self, out, m: "data.Micro"):
-        """out: chunked_nll's result for one micro-batch's rows on this rank."""
+        """out: chunked_nll's result for one micro-batch's rows on this rank (with the model's aux_sum, if any)."""
         bucket = m.positions[0] * self.k // self.seq_len                     # [T/cp] the span of each row
         self.acc[0] += out.loss_sum.detach()
-        self.acc[1:1 + self.k].index_add_(0, bucket, out.row_nll)
-        self.acc[1 + self.k:].index_add_(0, bucket, (m.labels[0] != -100).to(self.acc.dtype))
+        if out.aux_sum is not None:
+            self.acc[1] += out.aux_sum.detach()
+            self.has_aux = True
+        self.acc[2:2 + self.k].index_add_(0, bucket, out.row_nll)
+        self.acc[2 + self.k:].index_add_(0, bucket, (m.labels[0] != -100).to(self.acc.dtype))
 
     def reduce(self, group=None):
-        """Summed over the ranks of `group` (default: all: context, data parallel) -> (loss sum as a 0-d tensor,
-        [k] mean loss by span; None where it is not finite, as JSON has no NaN)."""
+        """Summed over the ranks of `group` (default: all: context, data parallel) -> (loss sum, auxiliary loss
+        sum or None where the model has none, as 0-d tensors; [k] mean loss by span, None where it is not finite,
+        as JSON has no NaN)."""
         dist.all_reduce(self.acc, group=group)
         k, acc = self.k, self.acc
-        return acc[0], [x if math.isfinite(x) else None for x in (acc[1:1 + k] / acc[1 + k:]).tolist()]
+        by_span = [x if math.isfinite(x) else None for x in (acc[2:2 + k] / acc[2 + k:]).tolist()]
+        return acc[0], (acc[1] if self.has_aux else None), by_span
 
     def count(self) -> int:
         """Target tokens summed (after reduce())."""
-        return int(self.acc[1 + self.k:].sum().item())
+        return int(self.acc[2 + self.k:].sum().item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -862,15 +875,15 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
             torch.cuda.reset_peak_memory_stats()
         with profiled(cfg, step, rank, log):
             n_trained, n_pad = step_counts(batch, s.mesh.get_local_rank("cp"), s.device)
-            loss, grad_norm, applied, by_position = train_step(s.model, run.opt, batch, n_trained, cfg,
-                                                               lr_at(step, cfg, run.lr_anchor))
+            loss, grad_norm, applied, by_position, aux_loss = train_step(s.model, run.opt, batch, n_trained, cfg,
+                                                                         lr_at(step, cfg, run.lr_anchor))
         if step == run.done + 1:
             if rank == 0:  # the run has started: now its files are written
                 run.metrics = rundir.begin(cfg.out_dir, run.done, dataclasses.asdict(cfg), run.launch)
                 log.open(os.path.join(cfg.out_dir, "train.log"))
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
         log_step(cfg, run, step, loss, by_position, grad_norm, applied, time.time() - t0, world, log, batch,
-                 n_trained, n_pad)
+                 n_trained, n_pad, aux_loss)
         if n_trained:  # a step with nothing to train on is neither a failure nor a dead model
             skipped, zero_norm = (0 if applied else skipped + 1), (zero_norm + 1 if grad_norm == 0 else 0)
         check_health(cfg, step, skipped, zero_norm, log)
@@ -920,8 +933,10 @@ def attention_area(batch: list[data.Micro]) -> float:
                for m in batch) / len(batch)
 
 
-def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log, batch, n_trained, n_pad):
-    """One metrics.jsonl row and one printed line."""
+def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, world, log, batch, n_trained, n_pad,
+             aux_loss=None):
+    """One metrics.jsonl row and one printed line. aux_loss: the model's auxiliary term (a MoE's load-balancing
+    loss, router_aux_loss_coef x aux), logged apart from loss; None for a dense model."""
     peak = peak_memory(cfg, run.s.device)
     offload = run.s.model.layers[0].offload
     host = offload.host_bytes() if offload is not None else 0
@@ -939,10 +954,13 @@ def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, wor
                    untrained_share=1 - (n_trained + n_pad) / run.n_pairs,
                    # the busiest rank's attention over a full causal window's: what plan.py times
                    attn_area=sum(plan.document_area(m.doc_lens, cp, balanced) for m in batch) / len(batch))
+    if aux_loss is not None:
+        rec["aux_loss"] = aux_loss
     if not applied:
         rec["skipped"] = True
     why = "nothing to train on in these windows" if not n_trained else "non-finite loss or grad norm"
-    log(f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+    log(f"step {step:4d} | loss {loss:.4f} | " + (f"aux loss {aux_loss:.4f} | " if aux_loss is not None else "")
+        + f"grad norm {grad_norm:.3f} | lr {lr:.2e} | "
         f"{rec['tokens_per_s']:,.0f} tok/s | " + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
         + f"{dt:.2f} s | peak mem {rec['peak_mem_gib']:.1f} GiB"
         + (f" | {rec['docs']:.0f} docs, {rec['pad_share']:.1%} padding, {rec['untrained_share']:.1%} untrained"
@@ -994,7 +1012,7 @@ def evaluate(cfg: TrainConfig, s: Setup, step: int, eval_log, log) -> dict:
         batches.close()
     if sequences == 0:  # the loader reports data shorter than one window per rank itself; this is the rest
         raise SystemExit(f"error: --eval_data {source} (split {cfg.eval_split}) has no window of --seq_len + 1 tokens")
-    loss_sum, by_position = sums.reduce()
+    loss_sum, _, by_position = sums.reduce()
     n = sums.count()  # the target tokens of every window read, over every rank
     peak = peak_memory(cfg, s.device) if cfg.device == "cuda" else None
     rec = dict(step=step, loss=loss_sum.item() / max(n, 1), loss_by_position=by_position, sequences=sequences, num_tokens=n,
@@ -1058,7 +1076,7 @@ def export_hf(cfg: TrainConfig, s: Setup, log):
         tmp = f"{final}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            save_hf(tmp, s.mcfg, sd)
+            hf.save_hf(tmp, s.mcfg, sd)
             spec = data.tokenizer_spec(cfg.tokenizer, s.model_path)
             if os.path.isfile(spec):
                 shutil.copy(spec, os.path.join(tmp, "tokenizer.json"))

@@ -20,7 +20,8 @@ import transformers  # a test dependency: the independent reference
 import chat
 import data
 import packing
-from model import Qwen3, Qwen3Config, load_or_init_state_dict
+from hf import load_or_init_state_dict, save_pretrained
+from model import Qwen3, Qwen3Config
 from test_rows import CHATS, QWEN3, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +73,7 @@ def first_step_loss_in_transformers(setup, tmp_path):
     sd = load_or_init_state_dict(str(folder), mcfg, names, torch.float32, 0, torch.device("cpu"))
     m = Qwen3(mcfg)
     m.load_state_dict(sd)
-    m.save_pretrained(str(tmp_path / "init"))
+    save_pretrained(m, str(tmp_path / "init"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32)
     loader = packing.PackedLoader(lambda row: chat.iter_documents(str(path), tok, start_row=row), SEQ, tok.eos_id)
     windows = [next(loader) for _ in range(2)]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import transformers  # a test dependency: the independent reference for the model
 
 import documents
+import hf as H
 import kernels
 import model as M
 from documents import DocumentSchedule, cp_layout, masked_attention
@@ -123,7 +124,7 @@ def nll_and_grads(m, ids, pos, labels, doc_lens):
 def alone_in_transformers(m, ids, labels, doc_lens, folder):
     """The oracle: each document run alone from position 0 through transformers' Qwen3ForCausalLM on m's weights
     -> per-token NLL [T] (0 where not trained) and the gradients of their sum, under our parameter names."""
-    m.save_pretrained(str(folder))
+    H.save_pretrained(m, str(folder))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=m.embed_tokens.weight.dtype)
     nll, start = [], 0
     for length in doc_lens:
@@ -133,7 +134,7 @@ def alone_in_transformers(m, ids, labels, doc_lens, folder):
     nll = torch.cat(nll)
     nll.sum().backward()
     hf_params = dict(hf.named_parameters())
-    return nll.detach(), {n: hf_params[M.hf_name(n)].grad for n, _ in m.named_parameters()}
+    return nll.detach(), {n: hf_params[H.hf_name(n)].grad for n, _ in m.named_parameters()}
 
 
 def assert_grads_close(got, want, bound):

@@ -1,6 +1,6 @@
 """model.py against oracles: RoPE/YaRN from the formulas in float64 and from transformers' own initialisation,
 the fused kernels' formulas against float64 autograd, a naive Qwen3 forward, transformers' Qwen3ForCausalLM on
-the same checkpoint, recompute/offload/tiled-MLP parity, HF load/save. CPU only, seconds:
+the same checkpoint, recompute/offload/tiled-MLP parity; hf.py's load/save. CPU only, seconds:
 
     python -m pytest tests/test_model.py -q
 """
@@ -15,6 +15,7 @@ import transformers  # a test dependency (requirements.txt): the independent ref
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+import hf as H
 import model as M
 from model import Qwen3, Qwen3Config, rope_cos_sin, rope_inv_freq
 
@@ -120,9 +121,10 @@ def test_default_rope_has_no_scaling():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 1e-2)])
 def test_rmsnorm_matches_autograd_of_the_formula(dtype, tol):
-    x = torch.randn(3, 7, 37, dtype=dtype, requires_grad=True)
-    w = (torch.rand(37, dtype=dtype) + 0.5).requires_grad_()
-    dy = torch.randn(3, 7, 37, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 37, generator=gen, dtype=dtype, requires_grad=True)
+    w = (torch.rand(37, generator=gen, dtype=dtype) + 0.5).requires_grad_()
+    dy = torch.randn(3, 7, 37, generator=gen, dtype=dtype)
 
     def formula(x, w):  # transformers' Qwen3RMSNorm
         h = x.to(torch.float32 if dtype != torch.float64 else dtype)
@@ -213,7 +215,7 @@ def test_model_matches_naive_forward(kv, yarn, tied):
     if yarn:
         cfg = cfg.yarn_scaled(4.0, 16)
     m = random_model(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (2, 23))
+    ids = torch.randint(0, cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(23)
     ref = torch.stack([naive_forward(m, ids[b], pos) for b in range(2)])
     torch.testing.assert_close(m.logits(ids), ref, rtol=1e-10, atol=1e-10)
@@ -227,8 +229,9 @@ def test_model_gradients_match_naive():
     """Every backward of ours (RoPE, RMSNorm, the tiled MLP's, the loss's) against autograd of the naive model."""
     cfg = tiny(num_attention_heads=6, num_key_value_heads=2).yarn_scaled(4.0, 16)
     m = random_model(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (1, 29))
-    labels = torch.randint(0, cfg.vocab_size, (1, 29))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (1, 29), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (1, 29), generator=gen)
     sd = {k: v.double().requires_grad_() for k, v in m.state_dict().items()}
     ref = F.cross_entropy(naive_forward(m, ids[0], torch.arange(29), sd), labels[0], reduction="sum")
     ref_grads = dict(zip(sd, torch.autograd.grad(ref, list(sd.values()))))
@@ -241,8 +244,9 @@ def test_model_gradients_match_naive():
 
 def test_loss_inside_forward_equals_cross_entropy():
     m = random_model(tiny())
-    ids = torch.randint(0, 97, (1, 31))
-    labels = torch.randint(0, 97, (1, 31))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (1, 31), generator=gen)
+    labels = torch.randint(0, 97, (1, 31), generator=gen)
     labels[0, :3] = -100
     s, n = m(ids, labels=labels, loss_chunk=8)
     ref = F.cross_entropy(m.logits(ids)[0], labels[0], reduction="sum", ignore_index=-100)
@@ -253,15 +257,17 @@ def test_loss_inside_forward_equals_cross_entropy():
 # --- levers: same loss and gradients with each on and off -----------------------------------
 
 def loss_and_grads(m, ids, labels):
+    """(the loss the gradient is of: loss_sum, plus aux_sum where the model has one; every parameter's gradient)"""
     m.zero_grad(set_to_none=True)
-    s, _ = m(ids, labels=labels, loss_chunk=16)
-    s.backward()
-    return s.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+    total = m(ids, labels=labels, loss_chunk=16).total()
+    total.backward()
+    return total.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
 def levers_change_nothing(m, levers):
     """m (float64) on random tokens: the loss and every gradient with `levers` equal those without any lever."""
-    ids, labels = torch.randint(0, 97, (2, 33)), torch.randint(0, 97, (2, 33))
+    gen = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(0, 97, (2, 33), generator=gen), torch.randint(0, 97, (2, 33), generator=gen)
     ref_loss, ref_grads = loss_and_grads(m.set_levers(recompute=False), ids, labels)
     loss, grads = loss_and_grads(m.set_levers(**levers), ids, labels)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
@@ -301,7 +307,7 @@ def test_keep_attention_skips_the_attention_recompute(group_of_one):
     fwd = parallel._attn_fwd
     m = random_model(tiny(), dtype=torch.float64)
     m.attn_fn = RingAttention(group_of_one)
-    ids = torch.randint(0, 97, (1, 20))
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
     for keep, expected in ((False, 2 * 3), (True, 3)):  # 3 layers: forward (+ recompute when not kept)
         calls.clear()
         parallel._attn_fwd = lambda *a: calls.append(1) or fwd(*a)
@@ -317,7 +323,7 @@ def test_keep_attention_skips_the_attention_recompute(group_of_one):
 def test_checkpoint_keeps_only_block_inputs():
     """Saved-tensor bytes: with checkpointing the graph holds one [B, T, H] input per block (+ cos/sin)."""
     m = random_model(tiny(), dtype=torch.float32)
-    ids = torch.randint(0, 97, (1, 64))
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(1))
 
     def saved_bytes(model):
         total = []
@@ -354,7 +360,7 @@ def write_checkpoint(tmp_path, style, dtype=torch.bfloat16, shard_bytes=10**9, *
     m = random_model(cfg, dtype=torch.float32)
     os.makedirs(tmp_path, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(d))
-    save_file({M.hf_name(k): v.to(dtype).contiguous() for k, v in m.state_dict().items()},
+    save_file({H.hf_name(k): v.to(dtype).contiguous() for k, v in m.state_dict().items()},
               str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     return m
 
@@ -362,7 +368,7 @@ def write_checkpoint(tmp_path, style, dtype=torch.bfloat16, shard_bytes=10**9, *
 @pytest.mark.parametrize("style", ["old", "new"])
 def test_load_both_config_styles(tmp_path, style):
     src = write_checkpoint(tmp_path, style)
-    m = Qwen3.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    m = H.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     assert m.cfg.rope_theta == 10000.0
     assert m.cfg.rope_scaling["factor"] == 4.0 and m.cfg.rope_scaling["original_max_position_embeddings"] == 512
     for k, v in src.state_dict().items():
@@ -372,11 +378,11 @@ def test_load_both_config_styles(tmp_path, style):
 @pytest.mark.parametrize("shard_bytes", [10**9, 20_000])
 def test_save_load_round_trip_is_bit_exact(tmp_path, shard_bytes):
     write_checkpoint(tmp_path / "a", "new")
-    m = Qwen3.from_pretrained(str(tmp_path / "a"), dtype=torch.bfloat16)
-    m.save_pretrained(str(tmp_path / "b"), max_shard_bytes=shard_bytes)
+    m = H.from_pretrained(str(tmp_path / "a"), dtype=torch.bfloat16)
+    H.save_pretrained(m, str(tmp_path / "b"), max_shard_bytes=shard_bytes)
     files = os.listdir(tmp_path / "b")
     assert ("model.safetensors.index.json" in files) == (shard_bytes < 10**9)
-    m2 = Qwen3.from_pretrained(str(tmp_path / "b"), dtype=torch.bfloat16)
+    m2 = H.from_pretrained(str(tmp_path / "b"), dtype=torch.bfloat16)
     for k, v in m.state_dict().items():
         assert torch.equal(m2.state_dict()[k], v), k
     assert m2.cfg.rope_scaling == m.cfg.rope_scaling and m2.cfg.rope_theta == m.cfg.rope_theta
@@ -385,14 +391,14 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, shard_bytes):
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
     """The independent reference: transformers' own Qwen3 on our saved folder gives our logits."""
     write_checkpoint(tmp_path / "a", "old")
-    m = Qwen3.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
+    m = H.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
     m.cfg = m.cfg.yarn_scaled(16.0, 256)  # a run's YaRN settings must travel with the weights
-    m.save_pretrained(str(tmp_path / "b"))
+    H.save_pretrained(m, str(tmp_path / "b"))
     saved = json.loads((tmp_path / "b" / "config.json").read_text())
     assert saved["rope_scaling"]["factor"] == 16.0 and saved["max_position_embeddings"] == 16 * 256  # consistent
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)
     assert type(hf).__name__ == "Qwen3ForCausalLM"
-    ids = torch.randint(0, 97, (1, 300))
+    ids = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
     # transformers forms RoPE angles in fp32; we form them in float64 (see rope_cos_sin)
@@ -410,22 +416,39 @@ def test_refuses_configs_that_are_not_full_attention_qwen3(kw, msg):
         Qwen3Config.from_dict(hf_config("old", **kw))
 
 
+def test_refuses_another_model_type_naming_what_is_supported(tmp_path):
+    """A Llama config.json: one line that names the model type found and the ones supported."""
+    d = hf_config("old", model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps({**d, "_name_or_path": "meta-llama/Llama-3.2-1B"}))
+    with pytest.raises(ValueError) as e:
+        Qwen3Config.from_pretrained(str(tmp_path))
+    msg = str(e.value)
+    assert msg == ("meta-llama/Llama-3.2-1B: model_type 'llama' is not supported; supported: 'qwen3' (Qwen3) and "
+                   "'qwen3_moe' (Qwen3-MoE)."), msg
+
+
+def test_a_moe_config_is_refused_by_the_dense_model():
+    cfg = Qwen3Config.tiny(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="moe.Qwen3MoE"):
+        Qwen3(cfg)
+
+
 def test_missing_files_and_weights_give_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such folder"):
-        Qwen3.from_pretrained(str(tmp_path / "nope"))
+        H.from_pretrained(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         Qwen3Config.from_pretrained(str(tmp_path))
     from safetensors.torch import save_file
     (tmp_path / "config.json").write_text(json.dumps(hf_config("old")))
     save_file({"model.embed_tokens.weight": torch.zeros(97, 40)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks"):
-        Qwen3.from_pretrained(str(tmp_path))
+        H.from_pretrained(str(tmp_path))
 
 
 def test_config_only_folder_is_random_init_with_warning(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config("new")))
     with pytest.warns(UserWarning, match="random initialisation"):
-        m = Qwen3.from_pretrained(str(tmp_path), dtype=torch.float32)
+        m = H.from_pretrained(str(tmp_path), dtype=torch.float32)
     assert m.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.2)
 
 
@@ -438,7 +461,7 @@ def test_hub_download_path(monkeypatch, tmp_path):
         calls.append((repo_id, allow_patterns))
         return str(tmp_path)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
-    m = Qwen3.from_pretrained("Qwen/Qwen3-Tiny", dtype=torch.float32)
+    m = H.from_pretrained("Qwen/Qwen3-Tiny", dtype=torch.float32)
     assert calls[0][0] == "Qwen/Qwen3-Tiny" and "*.safetensors" in calls[0][1] and "config.json" in calls[0][1]
     assert m.cfg.vocab_size == 97
 
@@ -446,14 +469,14 @@ def test_hub_download_path(monkeypatch, tmp_path):
         raise huggingface_hub.errors.LocalEntryNotFoundError("connection refused")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ConnectionError, match="could not download 'Qwen/Qwen3-Tiny'.*pass the local folder"):
-        Qwen3.from_pretrained("Qwen/Qwen3-Tiny")
+        H.from_pretrained("Qwen/Qwen3-Tiny")
 
 
 def test_host_offload_keeps_the_memory_layout():
     """A kept tensor in [B, T, H, D] memory seen as [B, H, T, D] comes back equal and in the same layout (the
     attention kernels then read it without a copy)."""
     off = M.HostOffload()
-    x = torch.randn(2, 9, 4, 8).transpose(1, 2)
+    x = torch.randn(2, 9, 4, 8, generator=torch.Generator().manual_seed(0)).transpose(1, 2)
     off.save((0, "out"), x)
     y = off.load((0, "out"), x.device)
     assert torch.equal(y, x) and y.stride() == x.stride()
@@ -464,20 +487,20 @@ def test_load_or_init_state_dict_reads_or_draws_from_the_seed(tmp_path):
     draw from the seed, in the dtype asked for: the draw train.py makes on every world size."""
     src = write_checkpoint(tmp_path / "a", "new")
     names = list(src.state_dict())
-    sd = M.load_or_init_state_dict(str(tmp_path / "a"), src.cfg, names, torch.bfloat16, 0, "cpu")
+    sd = H.load_or_init_state_dict(str(tmp_path / "a"), src.cfg, names, torch.bfloat16, 0, "cpu")
     for k, v in src.state_dict().items():
         assert torch.equal(sd[k], v.to(torch.bfloat16)), k
     cfg = Qwen3Config.tiny(num_attention_heads=5, num_key_value_heads=1, head_dim=12, vocab_size=301)
     ref = Qwen3(cfg).to(torch.bfloat16)
     ref.init_weights(torch.Generator("cpu").manual_seed(7))
-    drawn = M.load_or_init_state_dict(None, cfg, list(ref.state_dict()), torch.bfloat16, 7, "cpu")
+    drawn = H.load_or_init_state_dict(None, cfg, list(ref.state_dict()), torch.bfloat16, 7, "cpu")
     assert drawn.keys() == ref.state_dict().keys()
     for k, v in ref.state_dict().items():
         assert drawn[k].dtype == torch.bfloat16 and torch.equal(drawn[k], v), k
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "config.json").write_text(json.dumps(cfg.to_dict()))
     with pytest.warns(UserWarning, match="no \\*.safetensors: random initialisation"):
-        m = Qwen3.from_pretrained(str(tmp_path / "b"), dtype=torch.bfloat16, seed=7)
+        m = H.from_pretrained(str(tmp_path / "b"), dtype=torch.bfloat16, seed=7)
     for k, v in ref.state_dict().items():
         assert torch.equal(m.state_dict()[k], v), k
     assert all(p.requires_grad and p.device.type == "cpu" for p in m.parameters())

@@ -1,5 +1,5 @@
-"""Qwen3-MoE (model.py's SparseMoE) against transformers' Qwen3MoeForCausalLM on the same weights: logits, loss
-(with the load-balancing loss too) and every parameter's gradient; the router against transformers' router,
+"""Qwen3-MoE (moe.py) against transformers' Qwen3MoeForCausalLM on the same weights: logits, loss (with the
+load-balancing loss too, apart) and every parameter's gradient; the router against transformers' router,
 ties included; HF checkpoints both ways; the memory levers on and off; the ring at cp 2 and 4 under gloo; the
 grouped GEMM against the expert loop (torch's CPU fallback here; the CUDA kernel in the test marked gpu);
 train.py end to end on a MoE config.json. CPU, about a minute:
@@ -17,8 +17,10 @@ import torch.distributed as dist
 import transformers  # a test dependency: the independent reference for the model
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-import model as M
-from model import Qwen3, Qwen3Config
+import hf as H
+import moe
+from model import Qwen3Config
+from moe import Qwen3MoE
 from parallel import RingAttention, cp_shard
 from test_fa4 import rel
 from test_loss import LargestTensor
@@ -41,7 +43,7 @@ def random_moe(cfg, dtype=torch.float32, seed=0):
     """Weights from init_weights, norms away from 1, and the routers 10x larger: router logits of order 1, so
     that the top-k choice is far from a tie that rounding (ours vs transformers', or a ring's) could flip."""
     torch.manual_seed(seed)
-    m = Qwen3(cfg).to(dtype)
+    m = Qwen3MoE(cfg).to(dtype)
     m.init_weights()
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -63,7 +65,7 @@ def hf_grad(hf, name, cfg):
     params = dict(hf.named_parameters())
     module, _, weight = name.rpartition(".")
     if not module.endswith("mlp.experts"):
-        return params[M.hf_name(name)].grad
+        return params[H.hf_name(name)].grad
     if weight == "down_proj":
         return params[f"model.{module}.down_proj"].grad
     both = params[f"model.{module}.gate_up_proj"].grad
@@ -71,9 +73,10 @@ def hf_grad(hf, name, cfg):
 
 
 def ours_and_transformers(m, ids, folder):
-    """(our loss / trained tokens, logits, grads of that) and transformers' (outputs.loss, logits, grads under our
-    names, outputs.aux_loss), both in float32 on m's weights."""
-    m.save_pretrained(str(folder))
+    """(our language-model loss and auxiliary loss / trained tokens (None without one), logits, grads of their sum)
+    and transformers' (outputs.loss, logits, grads under our names, outputs.aux_loss), both in float32 on m's
+    weights."""
+    H.save_pretrained(m, str(folder))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     out = hf(ids, labels=ids)
@@ -81,11 +84,13 @@ def ours_and_transformers(m, ids, folder):
     ref = (out.loss.detach(), out.logits.detach(), {n: hf_grad(hf, n, m.cfg) for n, _ in m.named_parameters()},
            out.aux_loss)
     m.zero_grad(set_to_none=True)
-    s, n = m(ids, labels=shifted(ids), loss_chunk=9)
-    (s / n).backward()
+    out = m(ids, labels=shifted(ids), loss_chunk=9)
+    n = out.n_valid
+    (out.total() / n).backward()
     with torch.no_grad():
         logits = m.logits(ids)
-    return ((s / n).detach(), logits, {n: p.grad.clone() for n, p in m.named_parameters()}), ref
+    aux = None if out.aux_sum is None else (out.aux_sum / n).detach()
+    return ((out.loss_sum / n).detach(), aux, logits, {k: p.grad.clone() for k, p in m.named_parameters()}), ref
 
 
 # --- against transformers ------------------------------------------------------------------------
@@ -94,23 +99,25 @@ def ours_and_transformers(m, ids, folder):
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("aux", [False, True], ids=["plain", "aux"])
 def test_matches_transformers(tmp_path, experts, k, norm_topk_prob, aux):
-    """Logits, loss and every gradient against Qwen3MoeForCausalLM in float32; with output_router_logits, the
-    loss is transformers' outputs.loss = NLL + coef * aux (coef 0.1 here, so that aux moves the loss by ~5%)."""
+    """Logits, loss and every gradient against Qwen3MoeForCausalLM in float32. With output_router_logits,
+    transformers' outputs.loss = NLL + coef * aux (coef 0.1 here, so that aux moves the loss by ~5%): ours comes
+    apart, the language-model loss as loss_sum and coef * aux as aux_sum, and the gradient is of their sum."""
     cfg = moe_cfg(num_experts=experts, num_experts_per_tok=k, norm_topk_prob=norm_topk_prob,
                   output_router_logits=aux, router_aux_loss_coef=0.1)
     m = random_moe(cfg)
     ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
-    (loss, logits, grads), (ref_loss, ref_logits, ref_grads, ref_aux) = ours_and_transformers(m, ids, tmp_path)
+    (loss, our_aux, logits, grads), (ref_loss, ref_logits, ref_grads, ref_aux) = ours_and_transformers(m, ids,
+                                                                                                      tmp_path)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss + (our_aux if aux else 0), ref_loss, rtol=1e-6, atol=0)
     for n, g in ref_grads.items():  # the float32 floor: ~1e-7 measured
         assert rel(grads[n], g) < 1e-5, (n, rel(grads[n], g))
-    if aux:  # the aux term is really there: our loss without it is transformers' loss less coef * aux
+    if aux:  # the aux term is really there, and apart: our loss is transformers' less coef * aux
         assert ref_aux.item() > 1.0  # top-k of E: aux >= 1 (0 would mean it is not computed)
-        for b in m.layers:
-            b.router_stats = False
-        s, n = m(ids, labels=shifted(ids))
-        torch.testing.assert_close((s / n).detach(), ref_loss - 0.1 * ref_aux.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(loss, ref_loss - 0.1 * ref_aux.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(our_aux, 0.1 * ref_aux.detach(), rtol=1e-5, atol=0)
+    else:
+        assert our_aux is None
 
 
 def test_router_matches_transformers_ties_included():
@@ -129,7 +136,7 @@ def test_router_matches_transformers_ties_included():
         with torch.no_grad():
             router.weight.copy_(w)
         _, ref_weights, ref_experts = router(x)
-        probs, weights, experts = M.route(x, w, 3, norm)
+        probs, weights, experts = moe.route(x, w, 3, norm)
         assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
         assert ((experts == 1) | (experts == 4)).sum() > 0
 
@@ -138,10 +145,10 @@ def test_router_matches_transformers_ties_included():
 def test_sparse_layers_as_transformers_decides(step, only):
     cfg = moe_cfg(num_hidden_layers=5, decoder_sparse_step=step, mlp_only_layers=only)
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.to_dict()))
-    ours = Qwen3(cfg)
+    ours = Qwen3MoE(cfg)
     want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
-    assert [b.sparse for b in ours.layers] == want == [cfg.sparse(i) for i in range(5)]
-    assert [isinstance(b.mlp, M.SparseMoE) for b in ours.layers] == want
+    assert [cfg.sparse(i) for i in range(5)] == want
+    assert [isinstance(b.mlp, moe.SparseMoE) for b in ours.layers] == want
 
 
 def test_config_round_trips_through_transformers(tmp_path):
@@ -168,7 +175,7 @@ def test_config_round_trips_through_transformers(tmp_path):
 
 
 def test_init_weights_draws_the_new_parameters():
-    m = Qwen3(moe_cfg(num_experts=16, moe_intermediate_size=48))
+    m = Qwen3MoE(moe_cfg(num_experts=16, moe_intermediate_size=48))
     m.init_weights(torch.Generator().manual_seed(0))
     for n, p in m.named_parameters():
         if "mlp.gate." in n or "mlp.experts." in n:
@@ -178,17 +185,18 @@ def test_init_weights_draws_the_new_parameters():
 # --- HF checkpoints --------------------------------------------------------------------------------
 
 def test_transformers_checkpoint_loads_in_ours(tmp_path):
-    """A checkpoint transformers saved (its hub layout: one tensor per expert), read by Qwen3.from_pretrained:
+    """A checkpoint transformers saved (its hub layout: one tensor per expert), read by hf.from_pretrained:
     the same logits; saved again by us, the same tensors under the same names, bit for bit."""
     cfg = moe_cfg(num_experts=5, num_experts_per_tok=2, norm_topk_prob=False)
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.to_dict()))
     hf.save_pretrained(str(tmp_path / "hf"))
-    m = Qwen3.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
-    ids = torch.randint(0, 97, (2, 19))
+    m = H.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    assert isinstance(m, Qwen3MoE)
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(m.logits(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
-    m.save_pretrained(str(tmp_path / "ours"), max_shard_bytes=30_000)  # sharded: the index names every expert
+    H.save_pretrained(m, str(tmp_path / "ours"), max_shard_bytes=30_000)  # sharded: the index names every expert
     from safetensors.torch import load_file
     def tensors(folder):
         return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -203,14 +211,14 @@ def test_our_checkpoint_loads_in_transformers(tmp_path):
     """Ours saved (bf16) -> transformers.AutoModelForCausalLM: Qwen3MoeForCausalLM with our logits; and back into
     ours, bit for bit."""
     m = random_moe(moe_cfg(norm_topk_prob=False), dtype=torch.bfloat16)
-    m.save_pretrained(str(tmp_path))
+    H.save_pretrained(m, str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
-    m32 = Qwen3.from_pretrained(str(tmp_path), dtype=torch.float32)
-    ids = torch.randint(0, 97, (1, 40))
+    m32 = H.from_pretrained(str(tmp_path), dtype=torch.float32)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(m32.logits(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
-    back = Qwen3.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    back = H.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     for k, v in m.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
 
@@ -235,8 +243,8 @@ def test_tiled_moe_makes_no_tensor_of_the_whole_sequence():
     """Cost, not only values: untiled, an expert's activations are [rows it got, I] (~N*k/E rows); tiled, no
     tensor is larger than the block's own input [N, H] (its output, its input's gradient)."""
     N, H, I = 4000, 16, 64
-    block = M.SparseMoE(moe_cfg(hidden_size=H, moe_intermediate_size=I))  # top-2 of 4 experts
-    x = torch.randn(1, N, H, requires_grad=True)
+    block = moe.SparseMoE(moe_cfg(hidden_size=H, moe_intermediate_size=I, output_router_logits=True))  # top-2 of 4
+    x = torch.randn(1, N, H, generator=torch.Generator().manual_seed(0), requires_grad=True)
 
     def largest(tile):
         block.tile = tile
@@ -271,9 +279,10 @@ def _rank_main(rank, world, port, out_dir):
         m.attn_fn = RingAttention(dist.group.WORLD)
         m.cp_sum = functools.partial(dist.all_reduce, group=dist.group.WORLD)
         ids, pos, labels = (cp_shard(x, 1, rank, world) for x in cp_inputs())
-        s, n = m(ids, pos, labels, loss_chunk=4)
-        s.backward()
-        torch.save((s.detach(), {k: p.grad for k, p in m.named_parameters()}), Path(out_dir) / f"rank{rank}.pt")
+        out = m(ids, pos, labels, loss_chunk=4)
+        out.total().backward()
+        torch.save((out.loss_sum.detach(), out.aux_sum.detach(), {k: p.grad for k, p in m.named_parameters()}),
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -281,18 +290,21 @@ def _rank_main(rank, world, port, out_dir):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_gives_one_process_losses_and_gradients(world, tmp_path):
     """The loss sums and gradients of cp 2 and 4 (ring attention, recompute with kept attention, tiled MoE, the
-    router counts all-reduced) summed over the ranks equal one process's, load-balancing loss included."""
+    router counts all-reduced) summed over the ranks equal one process's, load-balancing loss included, and so do
+    the language-model and load-balancing sums apart."""
     ranks = run_ranks(world, tmp_path, main=_rank_main)
     m = cp_model()
     ids, pos, labels = cp_inputs()
     ref, grads = loss_and_grads(m, ids, labels)
-    torch.testing.assert_close(sum(r[0] for r in ranks), ref, rtol=1e-6, atol=0)  # loss sums are fp32
+    torch.testing.assert_close(sum(r[0] + r[1] for r in ranks), ref, rtol=1e-6, atol=0)  # loss sums are fp32
     for n, g in grads.items():
-        assert rel(sum(r[1][n] for r in ranks), g) < 1e-6, n
-    for b in m.layers:  # the aux term is large enough that a rank's share formed without the all-reduce shows
-        b.router_stats = False
-    plain, _ = loss_and_grads(m, ids, labels)
-    assert (ref - plain).item() > 1e-2
+        assert rel(sum(r[2][n] for r in ranks), g) < 1e-6, n
+    with torch.no_grad():
+        one = m(ids, labels=labels, loss_chunk=16)
+    torch.testing.assert_close(sum(r[0] for r in ranks), one.loss_sum, rtol=1e-6, atol=0)
+    torch.testing.assert_close(sum(r[1] for r in ranks), one.aux_sum, rtol=1e-6, atol=0)
+    # the aux term is large enough that a rank's share formed without the all-reduce shows
+    assert (ref - one.loss_sum).item() > 1e-2
 
 
 # --- the grouped GEMM ----------------------------------------------------------------------------
@@ -328,8 +340,8 @@ def test_grouped_gemm_equals_the_loop_on_cpu():
     float32: 37 rows, top-2 of 5 experts, one expert with no rows."""
     leaves, experts, dy = expert_inputs(37, 16, 24, 5, 2, torch.float32, "cpu")
     assert not (experts == 3).any()
-    loop = run_experts(M.experts_loop, leaves, experts, dy)
-    grouped = run_experts(M.experts_grouped, leaves, experts, dy)
+    loop = run_experts(moe.experts_loop, leaves, experts, dy)
+    grouped = run_experts(moe.experts_grouped, leaves, experts, dy)
     for name, a, b in zip(NAMES, grouped, loop):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     assert grouped[3][3].abs().max() == 0  # the empty expert's weights get no gradient
@@ -342,25 +354,28 @@ def test_grouped_gemm_on_cuda_in_bf16():
     of the loop's error or of the bf16 floor. Then the whole block on CUDA bf16 takes the grouped path."""
     for N, E, k in ((997, 8, 2), (4099, 16, 8)):
         leaves, experts, dy = expert_inputs(N, 256, 128, E, k, torch.float64, "cuda")
-        ref = run_experts(M.experts_loop, leaves, experts, dy)
+        ref = run_experts(moe.experts_loop, leaves, experts, dy)
         bf = [t.bfloat16() for t in leaves]
-        assert M.grouped_gemm_ok(bf[0], bf[2])
-        loop = run_experts(M.experts_loop, bf, experts, dy.bfloat16())
-        grouped = run_experts(M.experts_grouped, bf, experts, dy.bfloat16())
+        assert moe.grouped_gemm_ok(bf[0], bf[2])
+        loop = run_experts(moe.experts_loop, bf, experts, dy.bfloat16())
+        grouped = run_experts(moe.experts_grouped, bf, experts, dy.bfloat16())
         for name, g, lp, r in zip(NAMES, grouped, loop, ref):
             assert g.dtype == torch.bfloat16, name
             floor = rel(r.bfloat16(), r)
             assert rel(g, r) <= 2 * max(rel(lp, r), floor), (N, name, rel(g, r), rel(lp, r), floor)
         assert grouped[3][3].abs().max() == 0
-    cfg = moe_cfg(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
-    block = M.SparseMoE(cfg).to("cuda", torch.bfloat16)
+    cfg = moe_cfg(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                  output_router_logits=True)
+    block = moe.SparseMoE(cfg).to("cuda", torch.bfloat16)
     calls = []
-    grouped = M.experts_grouped
-    M.experts_grouped = lambda *a: calls.append(1) or grouped(*a)
+    grouped = moe.experts_grouped
+    moe.experts_grouped = lambda *a: calls.append(1) or grouped(*a)
     try:
-        y, counts, _ = block(torch.randn(1, 1001, 256, device="cuda", dtype=torch.bfloat16))
+        x = torch.randn(1, 1001, 256, generator=torch.Generator("cuda").manual_seed(0), device="cuda",
+                        dtype=torch.bfloat16)
+        y, counts, _ = block(x)
     finally:
-        M.experts_grouped = grouped
+        moe.experts_grouped = grouped
     assert calls and counts.sum().item() == 1001 * 2 and y.shape == (1, 1001, 256)
 
 
@@ -378,7 +393,7 @@ def test_plan_counts_parameters_and_the_matmuls_that_run():
     s = plan.Shape.of(cfg, T, 1, 1, 1)
     assert s.params == sum(p.numel() for p in m.parameters()) and s.sparse_layers == 2
     with FlopCounterMode(display=False) as fc:
-        m.logits(torch.randint(0, 97, (1, T)))
+        m.logits(torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(0)))
     matmuls = sum(n for op, n in fc.get_flop_counts()["Global"].items() if "attention" not in str(op))
     assert matmuls == 2 * plan.matmul_params(s) * T, (matmuls, 2 * plan.matmul_params(s) * T)
     big = plan.Shape.of(Qwen3Config.from_pretrained(os.path.join(ROOT, "bench/configs/qwen3-30b-a3b")), 1, 1, 1, 1)
@@ -389,7 +404,8 @@ def test_plan_counts_parameters_and_the_matmuls_that_run():
 
 def test_train_py_runs_a_moe_config_at_cp_1_and_2(tmp_path):
     """A folder holding only a Qwen3-MoE config.json (random init) trains under torchrun on CPU; cp 2 gives cp
-    1's losses and grad norms (load-balancing loss on: the router counts are all-reduced over the cp group)."""
+    1's losses, load-balancing losses and grad norms (the router counts are all-reduced over the cp group), each
+    logged apart: `loss` the language model's, `aux_loss` coef * aux."""
     from test_train import run, same_steps
     folder = tmp_path / "moe"
     folder.mkdir()
@@ -401,3 +417,5 @@ def test_train_py_runs_a_moe_config_at_cp_1_and_2(tmp_path):
     cp2 = run(tmp_path, 2, "--model", str(folder), "--cp", "2", "--mlp_tile", "50", "--tiled_mlp", "true")
     same_steps(cp1, cp2)
     assert cp1[-1]["loss"] < cp1[0]["loss"]
+    for a, b in zip(cp1, cp2):  # near-uniform routing at this init: aux ~ top_k = 2, so coef * aux ~ 0.2
+        assert a["aux_loss"] > 0.05 and a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5), (a, b)

@@ -67,9 +67,9 @@ def test_levers_on_do_not_change_the_run(tmp_path):
 
 
 def test_final_save_is_an_hf_checkpoint(tmp_path):
-    from model import Qwen3
+    import hf
     run(tmp_path, 2, "--save_dir", str(tmp_path / "saved"))
-    m = Qwen3.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
+    m = hf.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
     assert m.cfg.vocab_size == 257 and sorted(os.listdir(tmp_path / "saved")) == ["config.json", "model.safetensors"]
     # continue from it: a folder with weights loads (rank 0 reads, broadcasts) and trains
     again = run(tmp_path, 2, "--model", str(tmp_path / "saved"), "--max_steps", "3")
@@ -154,7 +154,8 @@ def test_float32_master_weights_take_updates_that_bf16_weights_lose(tmp_path):
     weight decay is 0): 102,848 weights. Measured with `pytest -s tests/test_train.py -k master_weights`
     (2 CPU ranks, the tiny model): bf16 98.0% unmoved (98% of each matrix, all of the norm weights, which
     sit at 1.0), fp32 0.04%."""
-    from model import Qwen3, Qwen3Config, hf_name
+    from hf import hf_name
+    from model import Qwen3, Qwen3Config
     from safetensors.torch import load_file
     unmoved = {}
     for pd in ("float32", "bfloat16"):

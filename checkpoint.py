@@ -19,9 +19,12 @@ import os
 import re
 import shutil
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+
+import parallel
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
@@ -132,11 +135,12 @@ def _first_line(e: BaseException) -> str:
 
 
 def _shared_error(error):
-    """Every rank learns whether any rank failed (and rank 0's or the first message), so all stop together."""
-    msgs = [None] * dist.get_world_size()
-    dist.all_gather_object(msgs, None if error is None else _first_line(error))
-    failed = [m for m in msgs if m is not None]
-    return None if not failed else (error if error is not None else RuntimeError(failed[0]))
+    """Every rank learns whether any rank failed (parallel.agree), so all stop together. -> this rank's error, one
+    saying that another rank failed, or None."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    if not parallel.agree([error is not None], device)[0]:
+        return None
+    return error if error is not None else RuntimeError("another rank failed (see its message)")
 
 
 def list_steps(root: str) -> list[int]:

@@ -81,7 +81,7 @@ def dead_pipe(a):
     code = proc.wait(timeout=600)
     log = open(os.path.join(out, "train.log")).read()
     return dict(exit_code=code, steps=[r["step"] for r in rows(out)], seconds_after_close=time.time() - t0,
-                train_log_has_last_step=f"step {steps:4d} |" in log, gpu_processes_after=gpu_processes())
+                train_log_has_last_step=f"step {steps:4d}/{steps} [" in log, gpu_processes_after=gpu_processes())
 
 
 if __name__ == "__main__":

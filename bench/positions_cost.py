@@ -45,7 +45,7 @@ def timed(fn, device, reps):
 def bucket_work(T, H, V, chunk, k, device, dtype, reps):
     """Seconds of (row_nll writes, PositionSums.add, the chunked loss fwd+bwd) for T rows on one rank."""
     from loss import chunked_nll
-    from train import PositionSums
+    from evaluate import PositionSums
     g = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(T, H, device=device, generator=g).to(dtype).requires_grad_()             # [T, H]
     weight = (torch.randn(V, H, device=device, generator=g) / H**0.5).to(dtype).requires_grad_()  # [V, H]

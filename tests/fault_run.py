@@ -6,8 +6,8 @@
     FAULT=nan:STEP[:LAST]        a NaN in one gradient on steps STEP..LAST (default: STEP only)
 
 A fault fires only in torchrun's first launch (TORCHELASTIC_RESTART_COUNT 0): a run that torchrun restarts
-is the same command without it (the tests relaunch by hand without FAULT). The wrappers replace module-level names that train.py and checkpoint.py
-look up at call time; nothing else changes.
+is the same command without it (the tests relaunch by hand without FAULT). The wrappers replace module-level
+names that train.py and checkpoint.py look up at call time; nothing else changes.
 """
 import os
 import signal

@@ -1,6 +1,7 @@
 """Runs that survive their surroundings: a lost terminal, a dead log pipe, a frozen peer, a second launch into the
 same folder, flags changed on resume, a failed start, a data error mid-run. Each fault is done to a real run
 (torchrun, CPU, gloo) and the test asserts what a user would lose: nothing, or one clear line."""
+import dataclasses
 import json
 import os
 import signal
@@ -81,7 +82,7 @@ def test_a_closed_output_pipe_neither_kills_nor_stops_the_run(tmp_path, straight
     assert proc.returncode == 0, stderr.decode()[-3000:]
     assert_same_run(rows(out), straight)
     log = open(out / "train.log").read()
-    assert "step   12 |" in log and "config: preset demo" in log and "Traceback" not in stderr.decode()
+    assert "step   12/12 [" in log and "config: preset demo" in log and "Traceback" not in stderr.decode()
 
 
 def test_head_in_a_shell_pipeline(tmp_path):
@@ -170,12 +171,13 @@ def test_lr_schedule_continues_without_a_jump():
     """Raised --max_steps mid-cosine: the next step's LR is below the last one, and it reaches the floor at the new
     end; unchanged, the schedule is the plain warmup + cosine."""
     sys.path.insert(0, ROOT)
+    import config
     import train
-    cfg = train.TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=2, max_steps=10)
+    cfg = config.TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=2, max_steps=10)
     plain = [train.lr_at(s, cfg) for s in range(1, 11)]
     assert plain[:2] == [0.5, 1.0] and plain[-1] == pytest.approx(0.1)
-    longer = train.dataclasses.replace(cfg, max_steps=20)
-    anchor = train.schedule_anchor(longer, train.dataclasses.asdict(cfg), None, 6)
+    longer = dataclasses.replace(cfg, max_steps=20)
+    anchor = train.schedule_anchor(longer, dataclasses.asdict(cfg), None, 6)
     assert anchor == [6, pytest.approx(plain[5])]
     after = [train.lr_at(s, longer, anchor) for s in range(7, 21)]
     assert plain[5] > after[0] > after[1] and after[-1] == pytest.approx(0.1)
@@ -232,6 +234,10 @@ def test_unknown_flag_says_what_was_meant_once(tmp_path):
 def test_help_and_a_short_config_line(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "--max_steps 20" in p.stdout and "--offload_layers -1" in p.stdout
+    # with a preset, its values
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", "demo", "--help"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "--max_steps 150" in p.stdout and "--model tiny" in p.stdout, p.stderr[-2000:]
     p = launch(1, tmp_path / "run", "--max_steps", "1")
     config = next(x for x in p.stdout.splitlines() if x.startswith("config:"))
     assert len(config) < 300 and "--max_steps 1" in config, config

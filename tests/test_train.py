@@ -108,6 +108,8 @@ def test_resume_continues_exactly(tmp_path):
     (2, ["--resume", "/nonexistent/ckpt"], "not a checkpoint folder"),
     (1, ["--param_dtype", "float16"], "--param_dtype float16: use bfloat16 or float32"),
     (1, ["--profile_step", "4"], "--profile_step 4: 0 \\(off\\) or a step in 1..--max_steps"),
+    (1, ["--data_split", "nosuch"], "split 'nosuch'"),  # --data_split reaches the reader
+    (1, ["--eval_only", "true", "--eval_split", "nosuch"], "split 'nosuch'"),  # and --eval_split the evaluation
 ])
 def test_bad_input_stops_every_rank_with_a_message(tmp_path, nproc, args, msg):
     p, _ = run(tmp_path, nproc, *args, check=False, timeout=120)
@@ -124,6 +126,8 @@ def test_model_that_is_not_full_attention_is_refused(tmp_path):
     (tmp_path / "swa" / "config.json").write_text(json.dumps(cfg))
     p, _ = run(tmp_path, 2, "--model", str(tmp_path / "swa"), check=False, timeout=120)
     assert p.returncode != 0 and "sliding" in p.stderr, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error")]
+    assert len(lines) == 1, lines  # said once (by rank 0), though every rank stops
 
 
 def test_optimizer_states_made_up_front_change_nothing():
@@ -182,3 +186,63 @@ def test_profile_step_writes_a_trace(tmp_path):
     for rank in (0, 1):
         events = json.load(open(out / "profile" / f"trace_rank{rank}.json"))["traceEvents"]
         assert any(e.get("name") == "chunked_nll" for e in events)  # the loss's range is named
+
+
+def test_adamw_betas_come_from_the_flags():
+    import config
+    from train import make_optimizer
+    cfg = config.TrainConfig(device="cpu", beta1=0.5, beta2=0.6)
+    opt = make_optimizer(cfg, torch.nn.Linear(3, 2))
+    assert opt.param_groups[0]["betas"] == (0.5, 0.6)
+
+
+def test_grad_clip_changes_the_updates(tmp_path):
+    """The demo's gradient norms are above 1 at first: --grad_clip 1 (the default) and 0 (off) start alike and
+    part after two updates. Adam's first update does not depend on the gradient's scale, and clipping every step
+    to the same norm changes only the steps' relative scale, so the difference is small (~1e-5 of the loss at
+    step 3), but a run repeats bit for bit (tests/test_long_runs.py): any difference is the flag's."""
+    clipped = run(tmp_path, 1)
+    free = run(tmp_path, 1, "--grad_clip", "0")
+    assert clipped[0]["grad_norm"] > 1 and clipped[0]["loss"] == free[0]["loss"]
+    assert clipped[2]["loss"] != free[2]["loss"], (clipped, free)
+
+
+def test_data_column_names_the_text_field(tmp_path):
+    rows = [{"body": f"book {i}: " + "it was the best of times, it was the worst of times. " * 8} for i in range(4)]
+    (tmp_path / "books.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p, _ = run(tmp_path, 1, "--data", str(tmp_path / "books.jsonl"), "--max_steps", "1", check=False)
+    assert p.returncode != 0 and "no field 'text'" in p.stderr, p.stderr[-3000:]
+    p, _ = run(tmp_path, 1, "--data", str(tmp_path / "books.jsonl"), "--data_column", "body", "--max_steps", "1",
+               check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_data_repo_and_revision_reach_the_hub_listing(tmp_path, monkeypatch):
+    """Offline, the listing fails (after data.py's retries); its message names the repo and revision asked for."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p, _ = run(tmp_path, 1, "--data", "pg19", "--data_repo", "someone/nosuch", "--data_revision", "v9",
+               check=False)
+    assert p.returncode != 0 and "datasets/someone/nosuch@v9" in p.stderr, p.stderr[-3000:]
+
+
+def test_dist_timeout_min_bounds_the_wait_for_a_peer(tmp_path):
+    """Rank 0 of a world of 2 whose rank 1 never starts: it stops after --dist_timeout_min (3 s here), not 30 min."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    t0 = time.time()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *FAST, "--out_dir", str(tmp_path / "run"),
+                        "--dist_timeout_min", "0.05"], capture_output=True, text=True, timeout=120, env=env)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error")]
+    assert p.returncode != 0 and time.time() - t0 < 60 and len(lines) == 1, p.stderr[-3000:]
+    assert "--dist_timeout_min 0.05" in lines[0], lines
+
+
+def test_progress_reads_as_trl_writes_it():
+    from train import clock, progress
+    assert progress(380.1, [380.1], 11) == "06:20<1:09:41, 380.10s/it"  # TRL: 1/12 [06:20<1:09:41, 380.10s/it]
+    assert progress(1.0, [0.2, 0.25, 9.0], 100) == "00:01<00:25, 4.00it/s"  # the median, not the mean
+    assert clock(0) == "00:00" and clock(59.6) == "01:00" and clock(3600) == "1:00:00" and clock(90061) == "25:01:01"

@@ -1,0 +1,93 @@
+"""--fit auto: the memory levers (offloaded and kept blocks, MLP tiles) that plan.py predicts to fit this node,
+and the check that this node's RAM holds what is offloaded to it.
+
+    torchrun --standalone --nproc_per_node 8 train.py --fit auto     # the default: the plan is printed
+    python train.py --config demo --max_steps 2 --gpu_mem_gib 0.05 --host_mem_gib 100   # on CPU, capacities given
+    python -m pytest tests/test_plan.py -q
+
+Levers given on the command line win over the plan.
+"""
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+import config
+import kernels
+import plan
+from survival import SharedError
+
+
+def levers(cfg, layers: int) -> plan.Levers:
+    """The memory levers as counts of blocks (the first ones), from the flags: --offload false and
+    --keep_attention false mean none, --offload_layers -1 and --keep_attention_layers -1 mean every block."""
+    def count(on, n):
+        return 0 if not on else layers if n < 0 else min(n, layers)
+    return plan.Levers(count(cfg.offload, cfg.offload_layers), count(cfg.keep_attention, cfg.keep_attention_layers),
+                       cfg.tiled_mlp, cfg.mlp_tile)
+
+
+def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
+    """The run's shape as plan.py models it (this node's ranks: torchrun's LOCAL_WORLD_SIZE)."""
+    return plan.Shape.of(mcfg, cfg.seq_len, config.context_parallel(cfg, world), world,
+                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                         param_bytes=getattr(torch, cfg.param_dtype).itemsize,
+                         act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
+                         attn_backend=kernels.resolve_backend(cfg.attn_backend),
+                         stochastic_rounding=cfg.stochastic_rounding)
+
+
+def plan_levers(cfg, mcfg, world: int, given: set, device, log):
+    """--fit auto: set the levers the command line did not, to the plan predicted to fit this node (plan.py);
+    where fp32 state cannot fit, bf16 state with stochastic rounding. Every rank computes the same plan: the
+    capacities are the smallest any rank sees."""
+    lv = levers(cfg, mcfg.num_hidden_layers)
+    fixed = {}  # what the user said wins
+    if given & {"offload", "offload_layers"}:
+        fixed["offload_layers"] = lv.offload_layers
+    if given & {"keep_attention", "keep_attention_layers"}:
+        fixed["keep_attention_layers"] = lv.keep_attention_layers
+    if given & {"tiled_mlp", "mlp_tile"}:
+        fixed.update(tiled_mlp=cfg.tiled_mlp, mlp_tile=cfg.mlp_tile)
+    if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib):
+        why = "--fit off" if cfg.fit == "off" else "no recompute" if not cfg.recompute else "CPU"
+        return log(f"fit: levers as given ({why})")
+    caps = torch.tensor([cfg.gpu_mem_gib or plan.gpu_memory_gib(), cfg.host_mem_gib or plan.host_memory_gib()],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(caps, op=dist.ReduceOp.MIN)
+    shape = plan_shape(cfg, mcfg, world)
+    try:
+        lv, cost = plan.choose(shape, caps[0].item(), caps[1].item(), fixed)
+    except plan.NoFit as e:
+        # fp32 state does not fit but bf16 might: bf16 weights and moments with stochastic rounding (optim.py),
+        # unless the command line chose the dtype or the rounding
+        if cfg.param_dtype != "float32" or given & {"param_dtype", "stochastic_rounding"}:
+            raise SharedError(f"error: --fit auto: {e}") from None
+        shape = dataclasses.replace(shape, param_bytes=2, stochastic_rounding=True)
+        try:
+            lv, cost = plan.choose(shape, caps[0].item(), caps[1].item(), fixed)
+        except plan.NoFit as e2:
+            raise SharedError(f"error: --fit auto: {e2}") from None
+        cfg.param_dtype, cfg.stochastic_rounding = "bfloat16", True
+        log("fit: fp32 weights and AdamW states do not fit; bf16 ones with stochastic rounding do "
+            "(--param_dtype bfloat16 --stochastic_rounding true)")
+    cfg.offload, cfg.offload_layers = lv.offload_layers > 0, lv.offload_layers
+    cfg.keep_attention, cfg.keep_attention_layers = lv.keep_attention_layers > 0, lv.keep_attention_layers
+    cfg.tiled_mlp, cfg.mlp_tile = lv.tiled_mlp, lv.mlp_tile
+    log(f"fit: {caps[0].item():.1f} GiB GPU per rank, {caps[1].item():.0f} GiB host per node -> "
+        + plan.describe(lv, cost, shape) + (f" (given: {', '.join(sorted(fixed))})" if fixed else ""))
+
+
+def check_host_memory(cfg, mcfg, world: int, log):
+    """Pinned host memory for offloaded tensors: say how much, and stop before the first step if this machine
+    cannot hold it for all of its ranks (pinned pages cannot be swapped out)."""
+    shape = plan_shape(cfg, mcfg, world)
+    per_rank = plan.host_bytes(shape, levers(cfg, mcfg.num_hidden_layers))
+    local, total = shape.ranks_per_node, (cfg.host_mem_gib or plan.host_memory_gib()) * 2**30
+    log(f"offload: {per_rank / 2**30:.1f} GiB of pinned host memory per rank, {local * per_rank / 2**30:.1f} GiB for "
+        f"the {local} rank(s) of this node ({total / 2**30:.0f} GiB RAM)")
+    if local * per_rank > plan.HOST_MARGIN * total:  # the rest for the OS, page cache, the processes' own memory
+        raise SystemExit(f"error: offloading needs {local * per_rank / 2**30:.0f} GiB of host RAM on this node but "
+                         f"it has {total / 2**30:.0f} GiB; use --fit auto, --offload_layers N (fewer blocks "
+                         "offloaded), --keep_attention_layers N, more context parallelism (--cp), or --offload false")

@@ -6,7 +6,7 @@
 
 A plain arithmetic model, one function per quantity, with a few constants fitted to measured runs:
 - pinned host memory: exact (the tensors the offloaded blocks keep: their input, and attention's output + lse,
-  each rounded up to a power of two as torch's pinned allocator rounds it);
+  each in whole pages as model.HostOffload pins it);
 - peak GPU memory: FSDP2 state (weights and AdamW's two moments, each 1/world of the model in param_dtype) +
   the larger of the gradients and what stays on the GPU for blocks that are not offloaded + the chunked loss's
   buffers + a working set per token (and the ring's buffers when cp > 1);
@@ -224,7 +224,7 @@ def kept_bytes(s: Shape):
 
 def host_bytes(s: Shape, lv: Levers, pinned: bool = True) -> float:
     """Pinned host memory per rank: the offloaded blocks' input, and attention's output and fp32 lse where they
-    also keep attention; each a buffer of its own, as the allocator holds it (pinned=False: the tensors' bytes)."""
+    also keep attention; each a buffer of its own, in whole pages (pinned=False: the tensors' bytes)."""
     size = pinned_size if pinned else int
     x, out, lse = kept_bytes(s)
     return lv.offload_layers * size(x) + min(lv.keep_attention_layers, lv.offload_layers) * (size(out) + size(lse))

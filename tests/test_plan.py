@@ -4,6 +4,7 @@ figure against what HostOffload really holds, and --fit auto in train.py."""
 import ast
 import itertools
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -168,18 +169,23 @@ def test_pinned_host_bytes_are_what_host_offload_holds():
         shp = plan.Shape.of(cfg, 40, 1, 1, 1, act_bytes=4)
         assert m.layers[0].offload.host_bytes() == plan.host_bytes(shp, plan.Levers(2, 1), pinned=False)
         assert [b.keep_attention for b in m.layers] == [True, False, False]
-        # pinned (on a GPU), each buffer is rounded up to a power of two: 40 x 64 x 4 bytes -> 16 KiB
-        assert plan.host_bytes(shp, plan.Levers(2, 1)) == 2 * 16384 + (16384 + 1024)
+        # pinned (on a GPU), each buffer takes whole pages: 40 x 64 x 4 bytes -> 3 pages of 4 KiB, the lse 1
+        page = mmap.PAGESIZE
+        assert plan.host_bytes(shp, plan.Levers(2, 1)) == 2 * -(-10240 // page) * page + (
+            -(-10240 // page) * page + -(-640 // page) * page)
     finally:
         dist.destroy_process_group()
 
 
-def test_pinned_sizes_are_rounded_as_torch_rounds_them():
-    """torch's CachingHostAllocator takes the next power of two: Qwen3-4B's 131k-token block input (0.625 GiB)
-    takes 1 GiB; Qwen3-8B's (1 GiB) and its attention output (1 GiB) and lse (16 MiB) lose nothing."""
-    assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+def test_pinned_sizes_are_exact_to_the_page():
+    """HostOffload pins each buffer in whole pages (cudaHostRegister), not at torch's power of two: Qwen3-4B's
+    131k-token block input (0.625 GiB) takes 0.625 GiB, not 1; Qwen3-8B's (1 GiB), its attention output (1 GiB)
+    and lse (16 MiB) lose nothing either way."""
+    page = mmap.PAGESIZE
+    assert [pinned_size(n) for n in (1, page - 1, page, page + 1, 3 * page)] == [page, page, page, 2 * page,
+                                                                                 3 * page]
     s4 = shape("qwen3-4b", 131072, 1, 1, 1)
-    assert plan.host_bytes(s4, plan.Levers(36, 36)) == 36 * (2**30 + 2**30 + 2**24)
+    assert plan.host_bytes(s4, plan.Levers(36, 36)) == 36 * (0.625 * 2**30 + 2**30 + 2**24)
     assert plan.host_bytes(s4, plan.Levers(36, 36), pinned=False) == 36 * (0.625 * 2**30 + 2**30 + 2**24)
     s8 = shape()  # 8B, 1M tokens, cp 8: 131,072 tokens per rank
     assert plan.host_bytes(s8, plan.Levers(36, 36)) == plan.host_bytes(s8, plan.Levers(36, 36), pinned=False)

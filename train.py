@@ -43,6 +43,7 @@ from torch.distributed.rendezvous import rendezvous
 
 import checkpoint
 import data
+import lora
 import optim
 import parallel
 import plan
@@ -130,6 +131,12 @@ class TrainConfig:
     eval_data: str = ""           # "" = --data's --eval_split (synthetic: books no training stream reaches)
     eval_split: str = "validation"
     eval_sequences: int = 2       # held-out sequences of --seq_len tokens per evaluation (the same ones each time)
+    # LoRA and QLoRA (lora.py): the model frozen in --dtype, adapters trained in --param_dtype
+    lora_rank: int = 0            # 0 = full fine-tune; r > 0: adapters A [r, in], B [out, r] beside each target
+    lora_alpha: float = 0.0       # the adapters' scale is alpha / r; 0 = 2 x lora_rank (PEFT's default is 8)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # the projections adapted
+    quantize: str = ""            # nf4: the frozen projections in 4-bit NormalFloat (QLoRA; needs torchao)
+    merge_lora: bool = False      # --save_dir: false = a PEFT adapter folder; true = the merged HF model
 
 
 PRESETS = {
@@ -238,6 +245,8 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     need(1 <= cfg.loss_buckets <= cfg.seq_len, f"--loss_buckets must lie in 1..--seq_len, not {cfg.loss_buckets}")
     need(cfg.eval_every >= 0 and cfg.eval_sequences >= 1, "--eval_every must be >= 0 (0: never) and "
          "--eval_sequences >= 1")
+    lora_error = lora.check_flags(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.quantize, cfg.merge_lora)
+    need(lora_error is None, lora_error)
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
          f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "
          "folder of books not trained on)")
@@ -449,6 +458,8 @@ def setup(cfg: TrainConfig, given: set, cp: int, world: int, log) -> Setup:
     log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {human_count(n_params)} parameters{moe}, "
         f"rope_scaling {mcfg.rope_scaling}; attention kernels: {attn.backend}"
         + (f" ({parallel.fa4_unavailable()})" if cfg.attn_backend == "auto" and attn.backend == "cudnn" else ""))
+    if cfg.lora_rank:
+        log(lora.describe(model))
     return Setup(mesh, model, mcfg, path, shapes, device)
 
 
@@ -474,6 +485,9 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
     cp_group = mesh.get_group("cp")
     with torch.device("meta"):
         model = Qwen3(mcfg, attn_fn, cp_sum=lambda t: dist.all_reduce(t, group=cp_group)).to(pdtype)
+    base_dtype = getattr(torch, cfg.dtype) if cfg.lora_rank else pdtype  # LoRA: the frozen base in --dtype
+    if cfg.lora_rank:
+        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base_dtype, cfg.quantize)
     shapes = {n: list(t.shape) for n, t in model.state_dict().items()}  # before sharding (then it is collective)
     lv = levers(cfg, mcfg.num_hidden_layers)
     model.set_levers(recompute=cfg.recompute, offload=lv.offload_layers > 0, offload_layers=lv.offload_layers,
@@ -486,9 +500,13 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
     model.to_empty(device=device)
     held = {}  # rank 0 keeps the full weights; only the error, if any, is shared
     # the same random draw for any world size: the cp-equivalence of runs depends on it
-    on_rank0(lambda: held.update(sd=load_or_init_state_dict(path, mcfg, list(shapes), pdtype, cfg.seed, device)))
+    base = [n for n in shapes if not lora.is_adapter(n)]
+    on_rank0(lambda: held.update(sd={**load_or_init_state_dict(path, mcfg, base, base_dtype, cfg.seed, device),
+                                     **lora.adapter_state_dict(shapes, cfg.seed)}))
     set_model_state_dict(model, held.get("sd", {}),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if cfg.quantize:
+        lora.quantize(model)
     return model, mcfg, path, shapes
 
 
@@ -506,7 +524,8 @@ def plan_shape(cfg: TrainConfig, mcfg, world: int) -> plan.Shape:
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
                          act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
                          attn_backend=parallel.resolve_backend(cfg.attn_backend),
-                         stochastic_rounding=cfg.stochastic_rounding)
+                         stochastic_rounding=cfg.stochastic_rounding, lora_rank=cfg.lora_rank,
+                         lora_targets=lora.parse_targets(cfg.lora_targets), quantize=cfg.quantize)
 
 
 def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
@@ -533,7 +552,7 @@ def plan_levers(cfg: TrainConfig, mcfg, world: int, given: set, device, log):
     except plan.NoFit as e:
         # fp32 state does not fit but bf16 might: bf16 weights and moments with stochastic rounding (optim.py),
         # unless the command line chose the dtype or the rounding
-        if cfg.param_dtype != "float32" or given & {"param_dtype", "stochastic_rounding"}:
+        if cfg.param_dtype != "float32" or given & {"param_dtype", "stochastic_rounding"} or cfg.lora_rank:
             raise SystemExit(f"error: --fit auto: {e}") from None
         s = dataclasses.replace(s, param_bytes=2, stochastic_rounding=True)
         try:
@@ -565,11 +584,12 @@ def check_host_memory(cfg: TrainConfig, mcfg, world: int, log):
 
 
 def make_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
     if cfg.stochastic_rounding:
-        opt = optim.AdamWStochastic(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        opt = optim.AdamWStochastic(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                     weight_decay=cfg.weight_decay, seed=cfg.seed, rank=dist.get_rank())
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                 weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
     init_optimizer_state(opt)
     return opt
@@ -719,7 +739,7 @@ class Run:
 # rest may change on resume (--max_steps, --lr, levers, checkpoint and eval cadence, ...), each named in the log.
 FIXED_ON_RESUME = ("model", "tokenizer", "yarn_factor", "yarn_original_max_position_embeddings", "data",
                    "data_repo", "data_revision", "data_split", "data_column", "packing", "seq_len", "seed",
-                   "param_dtype")
+                   "param_dtype", *lora.FIXED_ON_RESUME)
 
 
 def resume_changes(cfg: TrainConfig, saved: dict) -> dict:
@@ -776,11 +796,12 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, log, lock) -> 
     done, anchor, changes = 0, None, {}
     if resume_from:
         t0 = time.time()
-        model_sd, optim_sd = get_state_dict(s.model, opt)
+        model_sd, optim_sd = get_state_dict(s.model, opt, options=CHECKPOINT_STATE)
         state = {"model": model_sd, "optim": optim_sd}
         meta = checkpoint.load(resume_from, state)
         changes = resume_changes(cfg, meta["config"])
-        set_state_dict(s.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(s.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=CHECKPOINT_STATE)
         batches.load_state_dict(meta["data"])
         done = meta["step"]
         anchor = schedule_anchor(cfg, meta["config"], meta.get("lr_anchor"), done)
@@ -793,10 +814,12 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, log, lock) -> 
                 f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps}, without a jump (to warm up again, start "
                 "a new run from an export: --model SAVE_DIR)")
     n_params, pbytes = sum(math.prod(x) for x in s.shapes.values()), getattr(torch, cfg.param_dtype).itemsize
-    ckpt_bytes = 3 * n_params * pbytes if cfg.checkpoints else 0  # weights and two AdamW states
+    n_trained = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
+    ckpt_bytes = 3 * n_trained * pbytes if cfg.checkpoints else 0  # weights and two AdamW states
     needs = [(cfg.out_dir, "--out_dir", "a checkpoint", ckpt_bytes)]  # with --checkpoints false: writable, no size
     if cfg.save_dir:
-        needs.append((cfg.save_dir, "--save_dir", "the exported model", n_params * pbytes))
+        exported = n_trained if cfg.lora_rank and not cfg.merge_lora else n_params
+        needs.append((cfg.save_dir, "--save_dir", "the exported model", exported * pbytes))
     on_rank0(lambda: rundir.check_outputs(needs))
     if cfg.checkpoints:
         log(f"outputs: a checkpoint is about {rundir.human_bytes(ckpt_bytes)}; {cfg.keep_checkpoints} kept")
@@ -1016,13 +1039,18 @@ def all_finite(model) -> bool:
     return t.item() == 0
 
 
+# A checkpoint holds what trains and its AdamW states: with LoRA the adapters alone (megabytes); the frozen base
+# is read from --model again on resume
+CHECKPOINT_STATE = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def save_checkpoint(cfg: TrainConfig, run: Run, step: int, log):
     """A checkpoint of step `step` in out_dir/checkpoints (checkpoint.save), never of non-finite weights."""
     if not all_finite(run.s.model):
         raise SystemExit(f"error: the weights hold non-finite values at step {step}; not saving them. The newest "
                          "checkpoint in out_dir is the last good state")
     t0 = time.time()
-    model_sd, optim_sd = get_state_dict(run.s.model, run.opt)
+    model_sd, optim_sd = get_state_dict(run.s.model, run.opt, options=CHECKPOINT_STATE)
     root = os.path.join(cfg.out_dir, "checkpoints")
     checkpoint.save(root, step, {"model": model_sd, "optim": optim_sd},
                     {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg),
@@ -1036,14 +1064,19 @@ def export_hf(cfg: TrainConfig, s: Setup, log):
     folder and renamed into place, so --save_dir is never a mix of two saves."""
     if not all_finite(s.model):
         raise SystemExit("error: the weights hold non-finite values; not exporting them to --save_dir")
-    sd = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    adapters_only = bool(cfg.lora_rank) and not cfg.merge_lora
+    sd = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=adapters_only))
 
     def write():
         final = os.path.abspath(cfg.save_dir)
         tmp = f"{final}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            save_hf(tmp, s.mcfg, sd)
+            if cfg.lora_rank:  # a PEFT adapter folder, or the merged model
+                lora.save(tmp, s.model, sd, cfg.model, cfg.merge_lora, getattr(torch, cfg.param_dtype))
+            else:
+                save_hf(tmp, s.mcfg, sd)
             spec = data.tokenizer_spec(cfg.tokenizer, s.model_path)
             if os.path.isfile(spec):
                 shutil.copy(spec, os.path.join(tmp, "tokenizer.json"))

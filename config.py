@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+import lora
 import packing
 
 
@@ -104,6 +105,13 @@ class TrainConfig:
     eval_data: str = flag("", '"" = --data\'s --eval_split (synthetic: books no training stream reaches)')
     eval_split: str = flag("validation", "the split evaluated on")
     eval_sequences: int = flag(2, "held-out sequences of --seq_len tokens per evaluation (the same ones each time)")
+    lora_rank: int = flag(0, "0 = full fine-tune; r > 0: adapters A [r, in], B [out, r] beside each target",
+                          heading="LoRA and QLoRA (lora.py): the model frozen in --dtype, adapters trained in "
+                                  "--param_dtype")
+    lora_alpha: float = flag(0.0, "the adapters' scale is alpha / r; 0 = 2 x lora_rank (PEFT's default is 8)")
+    lora_targets: str = flag("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "the projections adapted")
+    quantize: str = flag("", "nf4: the frozen projections in 4-bit NormalFloat (QLoRA; needs torchao)")
+    merge_lora: bool = flag(False, "--save_dir: false = a PEFT adapter folder; true = the merged HF model")
 
 
 PRESETS = {
@@ -118,7 +126,7 @@ PRESETS = {
 # rest may change on resume (--max_steps, --lr, levers, checkpoint and eval cadence, ...), each named in the log.
 FIXED_ON_RESUME = ("model", "tokenizer", "yarn_factor", "yarn_original_max_position_embeddings", "data",
                    "data_repo", "data_revision", "data_split", "data_column", "packing", "seq_len", "seed",
-                   "param_dtype")
+                   "param_dtype", "lora_rank", "lora_alpha", "lora_targets", "quantize")
 
 def parse_args(argv) -> tuple[TrainConfig, set]:
     """--config NAME picks a preset; every other --key value overrides one field. -> (config, the fields given
@@ -231,6 +239,8 @@ def check_config(cfg: TrainConfig, world: int):
     need(1 <= cfg.loss_buckets <= cfg.seq_len, f"--loss_buckets must lie in 1..--seq_len, not {cfg.loss_buckets}")
     need(cfg.eval_every >= 0 and cfg.eval_sequences >= 1, "--eval_every must be >= 0 (0: never) and "
          "--eval_sequences >= 1")
+    lora_error = lora.check_flags(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.quantize, cfg.merge_lora)
+    need(lora_error is None, lora_error)
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
          f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "
          "folder of books not trained on)")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import config
 import kernels
+import lora
 import plan
 from survival import SharedError
 
@@ -35,7 +36,8 @@ def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
                          act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
                          attn_backend=kernels.resolve_backend(cfg.attn_backend),
-                         stochastic_rounding=cfg.stochastic_rounding)
+                         stochastic_rounding=cfg.stochastic_rounding, lora_rank=cfg.lora_rank,
+                         lora_targets=lora.parse_targets(cfg.lora_targets), quantize=cfg.quantize)
 
 
 def plan_levers(cfg, mcfg, world: int, given: set, device, log):
@@ -62,7 +64,7 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
     except plan.NoFit as e:
         # fp32 state does not fit but bf16 might: bf16 weights and moments with stochastic rounding (optim.py),
         # unless the command line chose the dtype or the rounding
-        if cfg.param_dtype != "float32" or given & {"param_dtype", "stochastic_rounding"}:
+        if cfg.param_dtype != "float32" or given & {"param_dtype", "stochastic_rounding"} or cfg.lora_rank:
             raise SharedError(f"error: --fit auto: {e}") from None
         shape = dataclasses.replace(shape, param_bytes=2, stochastic_rounding=True)
         try:

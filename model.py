@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import math
+import mmap
 import os
 from dataclasses import dataclass, field
 
@@ -517,10 +518,12 @@ class HostOffload:
 
     Forward: the device->host copy runs on a side stream, overlapping the next block's compute. Backward: block
     i-1's tensors come back while block i recomputes and runs backward. The pinned buffers are reused from step
-    to step. On CPU it still copies, so the CPU tests run the same code."""
+    to step, each exactly its tensor's size (pinned_empty_like). On CPU it still copies, so the CPU tests run the
+    same code."""
 
     def __init__(self):
         self.host = {}       # (block index, name) -> pinned host buffer
+        self.pinned = {}     # (block index, name) -> its HostRegistration (CUDA only)
         self.on_device = {}  # (block index, name) -> (tensor, event) brought back ahead of its backward
         self.copied = {}     # block index -> event after its last device->host copy
         self.stream = None
@@ -535,7 +538,14 @@ class HostOffload:
         if buf is None or buf.shape != x.shape or buf.stride() != x.stride() or buf.dtype != x.dtype:
             # x's own memory layout (e.g. attention output in [B, T, H, D] order seen as [B, H, T, D]): the copy
             # is then one flat transfer, with no contiguous temporary on the GPU
-            buf = self.host[key] = torch.empty_like(x, device="cpu", pin_memory=x.is_cuda)
+            if key in self.pinned:  # no copy may still read the old buffer when its pages are released
+                torch.cuda.synchronize(x.device)
+                del self.pinned[key]
+            if x.is_cuda:
+                buf, self.pinned[key] = pinned_empty_like(x)
+            else:
+                buf = torch.empty_like(x, device="cpu")
+            self.host[key] = buf
         stream = self._side_stream(x.device)
         if stream is None:
             buf.copy_(x)
@@ -574,14 +584,44 @@ class HostOffload:
         return x
 
     def host_bytes(self):
-        """Host memory the buffers take: pinned ones as torch's pinned allocator holds them (a power of two)."""
-        return sum((pinned_size if b.is_pinned() else int)(b.numel() * b.element_size()) for b in self.host.values())
+        """Host memory the buffers take: pinned ones in whole pages (pinned_size)."""
+        return sum((pinned_size if k in self.pinned else int)(b.numel() * b.element_size())
+                   for k, b in self.host.items())
 
 
 def pinned_size(nbytes: int) -> int:
-    """What torch's pinned-memory allocator (CachingHostAllocator) takes for a buffer: it rounds every allocation
-    up to a power of two (a 0.625 GiB block input takes 1 GiB)."""
-    return 1 << max(nbytes - 1, 0).bit_length()
+    """Host memory that pinned_empty_like page-locks for nbytes: whole pages. (torch's pinned allocator,
+    CachingHostAllocator, would round each buffer up to a power of two: a 0.625 GiB block input, Qwen3-4B's at
+    131k tokens, would take 1 GiB.)"""
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+class HostRegistration:
+    """Ordinary host memory of pinned_size(nbytes), starting on a page, page-locked with cudaHostRegister for as
+    long as this object lives (so that copies to and from it run asynchronously)."""
+
+    def __init__(self, nbytes: int):
+        self.raw = torch.empty(pinned_size(nbytes) + mmap.PAGESIZE, dtype=torch.uint8)  # room to start on a page
+        self.offset = -self.raw.data_ptr() % mmap.PAGESIZE
+        self.ptr = self.raw.data_ptr() + self.offset if nbytes else None
+        error = int(torch.cuda.cudart().cudaHostRegister(self.ptr, pinned_size(nbytes), 0)) if nbytes else 0
+        if error:
+            self.ptr = None
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (cudaError {error})")
+
+    def __del__(self):
+        if getattr(self, "ptr", None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+
+
+def pinned_empty_like(x: torch.Tensor) -> tuple[torch.Tensor, HostRegistration]:
+    """An uninitialised host tensor like x (x's strides, as torch.empty_like keeps them) in page-locked memory of
+    exactly its size, and the registration that keeps it pinned: the tensor is pinned while both live."""
+    like = torch.empty_like(x, device="meta")  # the layout empty_like picks, no memory
+    nbytes = x.numel() * x.element_size()
+    reg = HostRegistration(nbytes)
+    flat = reg.raw[reg.offset:reg.offset + nbytes].view(x.dtype)
+    return flat.as_strided(like.shape, like.stride()), reg
 
 
 # --- Functions that keep less than autograd would --------------------------------------------

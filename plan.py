@@ -6,7 +6,7 @@
 
 A plain arithmetic model, one function per quantity, with a few constants fitted to measured runs:
 - pinned host memory: exact (the tensors the offloaded blocks keep: their input, and attention's output + lse,
-  each rounded up to a power of two as torch's pinned allocator rounds it);
+  each in whole pages as model.HostOffload pins it);
 - peak GPU memory: FSDP2 state (weights and AdamW's two moments, each 1/world of the model in param_dtype) +
   the larger of the gradients and what stays on the GPU for blocks that are not offloaded + the chunked loss's
   buffers + a working set per token (and the ring's buffers when cp > 1);
@@ -22,6 +22,11 @@ with the work the GPU really does (see useful_flops).
 Qwen3-MoE: memory counts every expert (stored, sharded, given AdamW states); FLOPs count the router and the top_k
 experts a token goes to. Every constant was fitted to dense runs: for a MoE the prediction assumes the grouped
 GEMMs run at the dense GEMM rate and the routing costs nothing beyond the per-token term, neither measured yet.
+
+LoRA (lora.py): the frozen base costs act_bytes a parameter (sharded), or NF4_BYTES for the blocks' projections
+with --quantize nf4 (held whole on every rank), and has no gradient, no AdamW state and no weight-gradient GEMM;
+only the adapters train. No LoRA run has been measured: the fitted constants are the full fine-tune's, and NF4's
+dequantization (an elementwise pass over each weight per call) is not timed.
 """
 import argparse
 import os
@@ -56,6 +61,8 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0),  # kernel benchmark
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
+NF4_BYTES = 0.5 + 1 / 64 + 2 / (64 * 256)  # torchao's NF4: 4 bits, an int8 absmax per 64, a bf16 factor per 256 of them
+LORA_HINT_RANK = 16  # the rank --fit auto suggests when only LoRA would fit
 
 
 @dataclass(frozen=True)
@@ -87,17 +94,23 @@ class Shape:
     # 1 for one sequence. Attention's time scales with it; nothing else does.
     attn_area: float = 1.0
     stochastic_rounding: bool = False  # the optimizer: bf16 AdamW with stochastic rounding (optim.py), else fused
+    # LoRA (lora.py): adapters of lora_rank on lora_targets (projection names); 0 = a full fine-tune
+    lora_rank: int = 0
+    lora_targets: tuple = ()
+    quantize: str = ""       # "nf4": the frozen projections in NF4
 
     @classmethod
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
-           loss_chunk=2048, attn_backend="cudnn", stochastic_rounding=False):
+           loss_chunk=2048, attn_backend="cudnn", stochastic_rounding=False, lora_rank=0, lora_targets=(),
+           quantize=""):
         sparse = sum(mcfg.sparse(i) for i in range(mcfg.num_hidden_layers))
         moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse) if sparse else (0,) * 4
         return cls(mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                    mcfg.num_key_value_heads, mcfg.head_dim, mcfg.vocab_size, mcfg.tie_word_embeddings, seq_len, cp,
                    world, ranks_per_node, param_bytes, act_bytes, loss_chunk,
                    attn_backend if attn_backend in FITTED.attn_tflops else "cudnn", *moe,
-                   stochastic_rounding=stochastic_rounding)
+                   stochastic_rounding=stochastic_rounding, lora_rank=lora_rank,
+                   lora_targets=tuple(lora_targets) if lora_rank else (), quantize=quantize if lora_rank else "")
 
     @property
     def tokens(self):  # per rank
@@ -135,6 +148,33 @@ class Shape:
     @property
     def active_params(self):  # those one token uses: top_k experts per sparse layer
         return self._params(self.moe_active_params)
+
+    def lora_shape(self, rank=LORA_HINT_RANK, quantize="") -> "Shape":
+        """This shape with adapters of `rank` on every projection (lora.py's default targets)."""
+        return replace(self, lora_rank=rank, lora_targets=tuple(projection_widths(self)), quantize=quantize)
+
+    @property
+    def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer
+        dense, widths = self.layers - self.sparse_layers, projection_widths(self)
+        return self.lora_rank * sum(widths[t] * (dense if t.endswith(("gate_proj", "up_proj", "down_proj"))
+                                                  else self.layers) for t in self.lora_targets)
+
+    @property
+    def trained_params(self):  # what has gradients and AdamW states
+        return self.lora_params if self.lora_rank else self.params
+
+    @property
+    def nf4_params(self):  # with --quantize nf4: the blocks' projections (not the experts, embedding or head)
+        dense = self.layers - self.sparse_layers
+        return self.layers * self.attention_matmul_params + dense * 3 * self.hidden * self.intermediate \
+            if self.quantize else 0
+
+
+def projection_widths(s: Shape) -> dict:
+    """in + out of each block projection, by name."""
+    h, q, kv, i = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
+    return dict(q_proj=h + q, k_proj=h + kv, v_proj=h + kv, o_proj=q + h, gate_proj=h + i, up_proj=h + i,
+                down_proj=i + h)
 
 
 @dataclass(frozen=True)
@@ -186,7 +226,10 @@ def attention_flops(s: Shape, lv: Levers) -> float:
 
 def gemm_flops(s: Shape) -> float:
     """GEMM FLOPs one rank runs in a step: the blocks' forward, backward (2x) and the recompute's forward; the
-    head's forward and backward, never recomputed (the loss runs it once)."""
+    head's forward and backward, never recomputed (the loss runs it once). With LoRA the frozen weights get no
+    gradient (the backward's dX GEMM alone: blocks 3x, head 2x), and the adapters all four passes."""
+    if s.lora_rank:
+        return 2 * s.tokens * (3 * s.blocks_matmul_params + 2 * s.hidden * s.vocab + 4 * s.lora_params)
     return 2 * s.tokens * (4 * s.blocks_matmul_params + 3 * s.hidden * s.vocab)
 
 
@@ -200,7 +243,7 @@ def kept_bytes(s: Shape):
 
 def host_bytes(s: Shape, lv: Levers, pinned: bool = True) -> float:
     """Pinned host memory per rank: the offloaded blocks' input, and attention's output and fp32 lse where they
-    also keep attention; each a buffer of its own, as the allocator holds it (pinned=False: the tensors' bytes)."""
+    also keep attention; each a buffer of its own, in whole pages (pinned=False: the tensors' bytes)."""
     size = pinned_size if pinned else int
     x, out, lse = kept_bytes(s)
     return lv.offload_layers * size(x) + min(lv.keep_attention_layers, lv.offload_layers) * (size(out) + size(lse))
@@ -213,9 +256,12 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     forward; for one that offloads every block: the gradients at the end of the backward)."""
     x, out, lse = kept_bytes(s)
     attn = out + lse
-    state = 3 * s.param_bytes * s.params / s.world              # weights and AdamW's two moments
-    grads = s.param_bytes * s.params / s.world
+    state = 3 * s.param_bytes * s.trained_params / s.world      # weights and AdamW's two moments
+    grads = s.param_bytes * s.trained_params / s.world
     loss = 4 * s.vocab * s.hidden + 6 * s.loss_chunk * s.vocab  # fp32 grad of the head; a chunk's logits
+    if s.lora_rank:
+        state += frozen_bytes(s)
+        loss -= 4 * s.vocab * s.hidden                            # a frozen head has no gradient
     work = k.work_bytes_per_token_hidden * s.hidden * s.tokens
     if s.cp > 1:
         work += k.ring_bytes_per_token_qdim * s.heads * s.head_dim * s.tokens
@@ -232,9 +278,17 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     return state + max(grads, on_gpu) + loss + work + mlp + moe
 
 
+def frozen_bytes(s: Shape) -> float:
+    """A LoRA run's frozen base per rank: act_bytes a parameter, sharded; with NF4 the blocks' projections at
+    NF4_BYTES each, whole on every rank, and one of them dequantized while it runs."""
+    widest = max(s.hidden * s.heads * s.head_dim, s.hidden * s.intermediate) if s.quantize else 0
+    return ((s.params - s.nf4_params) * s.act_bytes / s.world + s.nf4_params * NF4_BYTES
+            + widest * s.act_bytes)
+
+
 def sr_gparams(s: Shape) -> float:
     """Billions of parameters the rank's stochastic-rounding AdamW updates in a step: 0 without it."""
-    return s.params / s.world / 1e9 if s.stochastic_rounding else 0.0
+    return s.trained_params / s.world / 1e9 if s.stochastic_rounding else 0.0
 
 
 def routed_slots(s: Shape) -> int:
@@ -287,15 +341,30 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
     need_cp = next((cp for cp in (2, 4, 8, 16, 32, 64) if cp > s.cp and s.seq_len % (2 * cp) == 0 and
                     fits_with(replace(s, cp=cp, world=s.world * cp // s.cp))), None)
     gpu_short = gpu_bytes(s, nearest, k) > gpu_cap
+    def longest(x: Shape):  # the longest of seq_len / 2, / 4, ... at which x fits
+        return next((n for n in (x.seq_len >> i for i in range(1, 11)) if n and n % (2 * x.cp) == 0
+                     and fits_with(replace(x, seq_len=n))), None)
+    shorter = longest(s)
+    hints = [f"--cp {need_cp} (more GPUs per sequence)"] if need_cp else []
+    hints += [f"--seq_len {shorter}" if shorter else "a shorter --seq_len", "more GPUs" if gpu_short else
+              "more host memory"]
+    if gpu_short and s.param_bytes == 4 and not s.lora_rank:
+        hints.append(f"--param_dtype bfloat16 --stochastic_rounding true (state {4 * s.param_bytes} -> 8 bytes per "
+                     "parameter, updates kept on average)")
+    if gpu_short and not s.lora_rank:  # LoRA or QLoRA, whichever fits the longer sequence (LoRA on a tie)
+        fit = [(s.seq_len if fits_with(x) else longest(x), q) for q in ("", "nf4") for x in [s.lora_shape(quantize=q)]]
+        length, q = max(fit, key=lambda f: (f[0] or 0, not f[1]))
+        if length:
+            hints.append(f"--lora_rank {LORA_HINT_RANK}" + (" --quantize nf4" if q else "")
+                         + (f" --seq_len {length}" if length != s.seq_len else "")
+                         + " (LoRA: the model frozen, only adapters trained)")
+    elif gpu_short and not s.quantize and fits_with(replace(s, quantize="nf4")):
+        hints.append("--quantize nf4 (QLoRA: the frozen projections in 4 bits)")
     raise NoFit(f"no set of levers fits: the nearest (offload_layers {nearest.offload_layers}, keep_attention_layers "
                 f"{nearest.keep_attention_layers}) needs {c.gpu_gib:.1f} GiB of GPU memory per rank (plan limit "
                 f"{gpu_cap / 2**30:.1f} of {gpu_gib:.1f}) and {c.host_gib * s.ranks_per_node:.0f} GiB of host memory "
                 f"per node (limit {host_cap * s.ranks_per_node / 2**30:.0f} of {host_gib_per_node:.0f}). To fit: "
-                + (f"--cp {need_cp} (more GPUs per sequence), " if need_cp else "")
-                + ("a shorter --seq_len, more GPUs" if gpu_short else "a shorter --seq_len, more host memory")
-                + (f", or --param_dtype bfloat16 --stochastic_rounding true (state {4 * s.param_bytes} -> 8 bytes per "
-                   "parameter, updates kept on average)"
-                   if gpu_short and s.param_bytes == 4 else ""))
+                + ", ".join(hints[:-1]) + ", or " + hints[-1])
 
 
 def describe(lv: Levers, c: Cost, s: Shape) -> str:

@@ -44,6 +44,7 @@ import documents
 import fit
 import hf
 import kernels
+import lora
 import moe
 import optim
 import packing
@@ -118,6 +119,8 @@ def build(cfg: TrainConfig, given: set, cp: int, world: int, device, log) -> Set
     log(f"model: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {human_count(n_params)} parameters"
         f"{experts}, rope_scaling {mcfg.rope_scaling}; attention kernels: {backend}"
         + (f" ({kernels.fa4_unavailable()})" if cfg.attn_backend == "auto" and backend == "cudnn" else ""))
+    if cfg.lora_rank:
+        log(lora.describe(model))
     return Setup(mesh, model, mcfg, path, shapes, device)
 
 
@@ -152,6 +155,9 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
             model = moe.Qwen3MoE(mcfg, attn_fn, cp_sum=lambda t: dist.all_reduce(t, group=cp_group)).to(pdtype)
         else:
             model = Qwen3(mcfg, attn_fn).to(pdtype)
+    base_dtype = getattr(torch, cfg.dtype) if cfg.lora_rank else pdtype  # LoRA: the frozen base in --dtype
+    if cfg.lora_rank:
+        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base_dtype, cfg.quantize)
     shapes = {n: list(t.shape) for n, t in model.state_dict().items()}  # before sharding (then it is collective)
     lv = fit.levers(cfg, mcfg.num_hidden_layers)
     model.set_levers(recompute=cfg.recompute, offload=lv.offload_layers > 0, offload_layers=lv.offload_layers,
@@ -164,17 +170,22 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
                          param_dtype=getattr(torch, cfg.dtype))
     model.to_empty(device=device)
     # rank 0 keeps the full weights; the same random draw for any world size: the cp-equivalence of runs depends on it
-    sd = on_rank0(lambda: hf.load_or_init_state_dict(path, mcfg, list(shapes), pdtype, cfg.seed, device), device)
+    base = [n for n in shapes if not lora.is_adapter(n)]
+    sd = on_rank0(lambda: {**hf.load_or_init_state_dict(path, mcfg, base, base_dtype, cfg.seed, device),
+                           **lora.adapter_state_dict(shapes, cfg.seed)}, device)
     set_model_state_dict(model, sd or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if cfg.quantize:
+        lora.quantize(model)
     return model, mcfg, path, shapes
 
 
 def make_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
     if cfg.stochastic_rounding:
-        opt = optim.AdamWStochastic(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        opt = optim.AdamWStochastic(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                     weight_decay=cfg.weight_decay, seed=cfg.seed, rank=dist.get_rank())
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                 weight_decay=cfg.weight_decay, fused=cfg.device == "cuda")
     init_optimizer_state(opt)
     return opt
@@ -355,11 +366,12 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, device, log, l
     done, anchor, changes = 0, None, {}
     if resume_from:
         t0 = time.time()
-        model_sd, optim_sd = get_state_dict(setup.model, opt)
+        model_sd, optim_sd = get_state_dict(setup.model, opt, options=CHECKPOINT_STATE)
         state = {"model": model_sd, "optim": optim_sd}
         meta = checkpoint.load(resume_from, state)
         changes = resume_changes(cfg, meta["config"])
-        set_state_dict(setup.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(setup.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=CHECKPOINT_STATE)
         batches.load_state_dict(meta["data"])
         done = meta["step"]
         anchor = schedule_anchor(cfg, meta["config"], meta.get("lr_anchor"), done)
@@ -372,10 +384,12 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, device, log, l
                 f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps}, without a jump (to warm up again, start "
                 "a new run from an export: --model SAVE_DIR)")
     n_params, pbytes = sum(math.prod(x) for x in setup.shapes.values()), getattr(torch, cfg.param_dtype).itemsize
-    ckpt_bytes = 3 * n_params * pbytes if cfg.checkpoints else 0  # weights and two AdamW states
+    n_trained = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)  # LoRA: the adapters
+    ckpt_bytes = 3 * n_trained * pbytes if cfg.checkpoints else 0  # weights and two AdamW states
     needs = [(cfg.out_dir, "--out_dir", "a checkpoint", ckpt_bytes)]  # with --checkpoints false: writable, no size
     if cfg.save_dir:
-        needs.append((cfg.save_dir, "--save_dir", "the exported model", n_params * pbytes))
+        exported = n_trained if cfg.lora_rank and not cfg.merge_lora else n_params
+        needs.append((cfg.save_dir, "--save_dir", "the exported model", exported * pbytes))
     on_rank0(lambda: rundir.check_outputs(needs), device)
     if cfg.checkpoints:
         log(f"outputs: a checkpoint is about {rundir.human_bytes(ckpt_bytes)}; {cfg.keep_checkpoints} kept")
@@ -550,13 +564,18 @@ def all_finite(model) -> bool:
     return t.item() == 0
 
 
+# A checkpoint holds what trains and its AdamW states: with LoRA the adapters alone (megabytes); the frozen base
+# is read from --model again on resume
+CHECKPOINT_STATE = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def save_checkpoint(cfg: TrainConfig, run: Run, step: int, log):
     """A checkpoint of step `step` in out_dir/checkpoints (checkpoint.save), never of non-finite weights."""
     if not all_finite(run.setup.model):
         raise SharedError(f"error: the weights hold non-finite values at step {step}; not saving them. The newest "
                           "checkpoint in out_dir is the last good state")
     t0 = time.time()
-    model_sd, optim_sd = get_state_dict(run.setup.model, run.opt)
+    model_sd, optim_sd = get_state_dict(run.setup.model, run.opt, options=CHECKPOINT_STATE)
     root = os.path.join(cfg.out_dir, "checkpoints")
     checkpoint.save(root, step, {"model": model_sd, "optim": optim_sd},
                     {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg),
@@ -570,14 +589,19 @@ def export_hf(cfg: TrainConfig, setup: Setup, log):
     folder and renamed into place, so --save_dir is never a mix of two saves."""
     if not all_finite(setup.model):
         raise SharedError("error: the weights hold non-finite values; not exporting them to --save_dir")
-    sd = get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    adapters_only = bool(cfg.lora_rank) and not cfg.merge_lora
+    sd = get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                    ignore_frozen_params=adapters_only))
 
     def write():
         final = os.path.abspath(cfg.save_dir)
         tmp = f"{final}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            hf.save_hf(tmp, setup.mcfg, sd)
+            if cfg.lora_rank:  # a PEFT adapter folder, or the merged model
+                lora.save(tmp, setup.model, sd, cfg.model, cfg.merge_lora, getattr(torch, cfg.param_dtype))
+            else:
+                hf.save_hf(tmp, setup.mcfg, sd)
             spec = data.tokenizer_spec(cfg.tokenizer, setup.model_path)
             if os.path.isfile(spec):
                 shutil.copy(spec, os.path.join(tmp, "tokenizer.json"))

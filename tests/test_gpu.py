@@ -162,3 +162,31 @@ def test_bf16_cuda_model_matches_float64_cpu_model(group_of_one):
     for n, p in ref_m.named_parameters():
         err, fl = rel(got[n].cpu(), p.grad), floor(p.grad)
         assert err < 10 * fl, (n, err, fl)
+
+
+def test_offload_pins_exactly_the_bytes_asked():
+    """HostOffload's buffers are page-locked at their own size, not at the power of two of torch's pinned allocator:
+    a [3, 1000, 1234] bf16 block input (7,404,000 bytes; 8 MiB as a power of two) pins 1,808 pages of 4 KiB. Pinned
+    by cudaHostRegister (its registration can be undone and redone), torch's pinned allocator grows by nothing, the
+    copies there and back on the side stream give the tensor back, and the pages are let go with the buffer."""
+    import mmap
+    cudart = torch.cuda.cudart()
+    x = torch.randn(3, 1000, 1234, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).bfloat16()
+    nbytes = x.numel() * x.element_size()
+    before = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+    off = M.HostOffload()
+    off.save((0, "x"), x)
+    buf, reg = off.host[(0, "x")], off.pinned[(0, "x")]
+    size = M.pinned_size(nbytes)
+    assert nbytes == 7_404_000 and size == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE < nbytes + mmap.PAGESIZE
+    assert off.host_bytes() == size and buf.is_pinned() and buf.data_ptr() == reg.ptr
+    assert reg.ptr % mmap.PAGESIZE == 0
+    assert int(cudart.cudaHostUnregister(reg.ptr)) == 0 and int(cudart.cudaHostRegister(reg.ptr, size, 0)) == 0
+    assert torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) == before
+    y = off.load((0, "x"), x.device)
+    torch.cuda.synchronize()
+    assert torch.equal(y, x) and y.stride() == x.stride()
+    raw, ptr = reg.raw, reg.ptr  # the memory stays; its registration goes with the buffer
+    del off, buf, reg
+    assert int(cudart.cudaHostRegister(ptr, size, 0)) == 0 and int(cudart.cudaHostUnregister(ptr)) == 0
+    del raw

@@ -4,6 +4,7 @@ figure against what HostOffload really holds, and --fit auto in train.py."""
 import ast
 import itertools
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -168,18 +169,23 @@ def test_pinned_host_bytes_are_what_host_offload_holds():
         shp = plan.Shape.of(cfg, 40, 1, 1, 1, act_bytes=4)
         assert m.layers[0].offload.host_bytes() == plan.host_bytes(shp, plan.Levers(2, 1), pinned=False)
         assert [b.keep_attention for b in m.layers] == [True, False, False]
-        # pinned (on a GPU), each buffer is rounded up to a power of two: 40 x 64 x 4 bytes -> 16 KiB
-        assert plan.host_bytes(shp, plan.Levers(2, 1)) == 2 * 16384 + (16384 + 1024)
+        # pinned (on a GPU), each buffer takes whole pages: 40 x 64 x 4 bytes -> 3 pages of 4 KiB, the lse 1
+        page = mmap.PAGESIZE
+        assert plan.host_bytes(shp, plan.Levers(2, 1)) == 2 * -(-10240 // page) * page + (
+            -(-10240 // page) * page + -(-640 // page) * page)
     finally:
         dist.destroy_process_group()
 
 
-def test_pinned_sizes_are_rounded_as_torch_rounds_them():
-    """torch's CachingHostAllocator takes the next power of two: Qwen3-4B's 131k-token block input (0.625 GiB)
-    takes 1 GiB; Qwen3-8B's (1 GiB) and its attention output (1 GiB) and lse (16 MiB) lose nothing."""
-    assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+def test_pinned_sizes_are_exact_to_the_page():
+    """HostOffload pins each buffer in whole pages (cudaHostRegister), not at torch's power of two: Qwen3-4B's
+    131k-token block input (0.625 GiB) takes 0.625 GiB, not 1; Qwen3-8B's (1 GiB), its attention output (1 GiB)
+    and lse (16 MiB) lose nothing either way."""
+    page = mmap.PAGESIZE
+    assert [pinned_size(n) for n in (1, page - 1, page, page + 1, 3 * page)] == [page, page, page, 2 * page,
+                                                                                 3 * page]
     s4 = shape("qwen3-4b", 131072, 1, 1, 1)
-    assert plan.host_bytes(s4, plan.Levers(36, 36)) == 36 * (2**30 + 2**30 + 2**24)
+    assert plan.host_bytes(s4, plan.Levers(36, 36)) == 36 * (0.625 * 2**30 + 2**30 + 2**24)
     assert plan.host_bytes(s4, plan.Levers(36, 36), pinned=False) == 36 * (0.625 * 2**30 + 2**30 + 2**24)
     s8 = shape()  # 8B, 1M tokens, cp 8: 131,072 tokens per rank
     assert plan.host_bytes(s8, plan.Levers(36, 36)) == plan.host_bytes(s8, plan.Levers(36, 36), pinned=False)
@@ -266,3 +272,91 @@ def test_plan_check_puts_the_prediction_beside_the_run(tmp_path):
     assert r["predicted_gpu_gib"] == round(cost.gpu_gib, 1) and r["predicted_host_gib"] == round(cost.host_gib, 1)
     assert r["steps"] == 2 and len(r["losses"]) == 2 and r["backend"] == "cpu" and r["param_dtype"] == "float32"
     assert r["s_per_step"] > 0 and r["peak_mem_gib"] > 0 and r["time_to_first_step_s"] > 0
+
+
+# --- LoRA and QLoRA ---------------------------------------------------------------------------------------
+
+def test_lora_counts_are_the_models():
+    """The adapters plan.py counts are those lora.apply makes (Qwen3-8B, all seven projections at rank 16: the
+    43,646,976 PEFT reports for it; q and v alone), and the NF4 share is every block projection."""
+    import lora
+    mcfg = Qwen3Config.from_pretrained(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
+    for targets in (lora.TARGETS, ("q_proj", "v_proj")):
+        with torch.device("meta"):
+            m = lora.apply(Qwen3(mcfg), 16, targets=targets)
+        s = plan.Shape.of(mcfg, 131072, 1, 1, 1, lora_rank=16, lora_targets=targets, quantize="nf4")
+        assert s.lora_params == s.trained_params == sum(p.numel() for p in m.parameters() if p.requires_grad)
+        assert s.nf4_params == sum(m.weight.numel() for m in m.modules() if isinstance(m, lora.LoRALinear))
+        assert s.params == sum(p.numel() for p in m.parameters()) - s.lora_params
+    assert plan.Shape.of(mcfg, 131072, 1, 1, 1, lora_rank=16, lora_targets=lora.TARGETS).lora_params == 43_646_976
+
+
+def test_nf4_bytes_are_torchaos():
+    """NF4_BYTES per parameter is what torchao's NF4Tensor holds for a bf16 weight: 4-bit codes, an int8 absmax
+    per 64 weights, a bf16 factor per 256 absmaxes (and one mean)."""
+    import lora
+    w = torch.randn(256, 4096, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q = lora.nf4(w)
+    held = sum(t.numel() * t.element_size() for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor))
+    assert held / w.numel() == pytest.approx(plan.NF4_BYTES, rel=1e-12)
+
+
+def test_lora_matmul_flops_are_what_torch_counts():
+    """gemm_flops with LoRA is FlopCounterMode's count of a recomputed training step (chunked loss, frozen head):
+    the frozen weights' forward, recompute and dX GEMMs, the head's forward and dH, the adapters' four passes."""
+    import lora
+    cfg = Qwen3Config.tiny(num_attention_heads=5, num_key_value_heads=1, head_dim=12, vocab_size=301)
+    m = Qwen3(cfg)
+    m.init_weights(torch.Generator().manual_seed(0))
+    targets = ("q_proj", "o_proj", "up_proj", "down_proj")
+    lora.apply(m, 3, targets=targets).set_levers(recompute=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, 46), generator=torch.Generator().manual_seed(1))
+    with FlopCounterMode(display=False) as counter:
+        s, _ = m(ids, labels=ids, loss_chunk=16)
+        s.backward()
+    shp = plan.Shape.of(cfg, 46, 1, 1, 1, lora_rank=3, lora_targets=targets)
+    assert counter.get_total_flops() == plan.gemm_flops(shp)
+    assert plan.gemm_flops(shp) < 0.8 * plan.gemm_flops(plan.Shape.of(cfg, 46, 1, 1, 1))
+
+
+def test_no_fit_names_lora_qlora_and_a_length_that_fit():
+    """Qwen3-8B on one GPU of 80 GB (the cost model's prediction, not a measurement): a full fine-tune never fits;
+    --fit auto names LoRA where LoRA fits, QLoRA where only it does, and with a length where neither fits at this
+    one. A LoRA run that does not fit is told of --quantize nf4 or a --seq_len."""
+    def no_fit(s):
+        with pytest.raises(plan.NoFit) as e:
+            plan.choose(s, 74.5, 1907)
+        return str(e.value)
+
+    def fits(s):
+        try:
+            return bool(plan.choose(s, 74.5, 1907))
+        except plan.NoFit:
+            return False
+    full = {n: shape(seq_len=n, cp=1, world=1, per_node=1) for n in (131072, 524288, 1048576)}
+    assert "--lora_rank 16 (LoRA" in no_fit(full[131072]) and fits(full[131072].lora_shape())
+    assert "--lora_rank 16 --quantize nf4 (LoRA" in no_fit(full[524288])
+    assert fits(full[524288].lora_shape(quantize="nf4")) and not fits(full[524288].lora_shape())
+    assert "--lora_rank 16 --quantize nf4 --seq_len 524288 (LoRA" in no_fit(full[1048576])
+    assert not fits(full[1048576].lora_shape(quantize="nf4"))
+    assert "--quantize nf4 (QLoRA" in no_fit(full[524288].lora_shape())
+    assert "--seq_len 524288, or more GPUs" in no_fit(full[1048576].lora_shape(quantize="nf4"))
+
+
+def test_fit_auto_in_train_py_with_lora(tmp_path):
+    """A GPU too small for the tiny model's full fine-tune (fp32 state, or bf16 with stochastic rounding) with any
+    levers, big enough for LoRA's: --fit auto plans and trains the LoRA run."""
+    full = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512)
+    sr = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, param_bytes=2, act_bytes=4, loss_chunk=512,
+                       stochastic_rounding=True)
+    lo = plan.Shape.of(Qwen3Config.tiny(), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512, lora_rank=4,
+                       lora_targets=("q_proj", "v_proj"))
+    least = [min(plan.gpu_bytes(s, plan.Levers(off, keep)) for off in range(3) for keep in range(3))
+             for s in (full, sr, lo)]
+    assert least[2] < min(least[:2])
+    gpu = (least[2] + min(least[:2])) / 2 / plan.GPU_MARGIN / 2**30
+    p = run_train(tmp_path, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100", "--lora_rank", "4",
+                  "--lora_targets", "q_proj,v_proj")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "fit: " in p.stdout and "LoRA: rank 4" in p.stdout, p.stdout
+    assert json.load(open(tmp_path / "run" / "train_config.json"))["param_dtype"] == "float32"

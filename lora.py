@@ -1,0 +1,309 @@
+"""LoRA and QLoRA: train small adapters beside a frozen Qwen3, in bf16 or in 4-bit NF4.
+
+A full fine-tune keeps 8 to 16 bytes a parameter (weights, gradients, two AdamW moments); Qwen3-8B then needs
+more than one 80 GB GPU before any activation. LoRA (arXiv:2106.09685) freezes the model and trains, beside each
+chosen projection W [out, in], two matrices A [r, in] and B [out, r]: y = x W^T + (x A^T) B^T * alpha / r. The
+frozen base costs 2 bytes a parameter in bf16 (about 0.52 in NF4, arXiv:2305.14314), with no gradient and no
+optimizer state; only the adapters have fp32 master weights and AdamW states.
+
+It plugs into the model after it is built (on meta or CPU) and before FSDP2 shards it: `apply` replaces each
+block's projections by a LoRALinear that keeps the base weight under its own name (HF checkpoints load as
+before), and each dense MLP by a LoRAMLP (the same SwiGLU, and the same `forward(x, value_is_read)`), and
+freezes everything else. Nothing in the core changes: the ring, FSDP2, recompute, offload and the kept attention
+see ordinary modules. The chunked loss skips the head's weight gradient (its weight needs none).
+
+    torchrun --standalone --nproc_per_node 1 train.py --config demo --lora_rank 8      # CPU, a minute
+    python -m pytest tests/test_lora.py -q      # against PEFT: loss, logits, every adapter gradient; cp 1/2/4
+
+Adapters, named as PEFT names them (layers.N.self_attn.q_proj.lora_A.weight), are initialised as PEFT does (A
+kaiming-uniform with a = sqrt(5), B zero, so that training starts from the base model). The export is a PEFT
+adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). Qwen3-MoE: adapters on attention
+only (the experts' stacked weights have no adapter).
+"""
+import importlib.util
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import MLP, fused
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's all-linear,
+ATTENTION, MLP_PROJECTIONS = TARGETS[:4], TARGETS[4:]                                    # the head left out
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: an absmax per 64 weights, the absmaxes quantized per 256
+# Flags that say what a checkpoint's adapters are: a resumed run keeps them
+FIXED_ON_RESUME = ("lora_rank", "lora_alpha", "lora_targets", "quantize")
+
+
+def parse_targets(text: str) -> tuple:
+    """'q_proj,v_proj' -> ('q_proj', 'v_proj'); raises ValueError naming the choices."""
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in TARGETS]
+    if bad or not names:
+        raise ValueError(f"--lora_targets {text!r}: a comma list of {','.join(TARGETS)}")
+    return names
+
+
+def check_flags(rank: int, alpha: float, targets: str, quantize: str, merge: bool) -> str | None:
+    """What is wrong with the LoRA flags (one line), or None."""
+    if rank < 0 or alpha < 0:
+        return "--lora_rank and --lora_alpha must be >= 0 (--lora_rank 0: no LoRA; --lora_alpha 0: 2 x rank)"
+    if quantize not in ("", "nf4"):
+        return f"--quantize {quantize}: use nf4, or leave it empty"
+    if (quantize or merge) and not rank:
+        return "--quantize and --merge_lora are for LoRA: give --lora_rank (e.g. 16)"
+    if quantize and importlib.util.find_spec("torchao") is None:
+        return "--quantize nf4 needs torchao: pip install torchao"
+    try:
+        parse_targets(targets)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _silu_mul(g, u):
+    return F.silu(g) * u
+
+
+class LoRALinear(nn.Module):
+    """A frozen projection y = x W^T and, with rank > 0, PEFT's LoRA beside it: + B(A(x)) * alpha / rank.
+
+    W stays `weight` (a frozen Parameter, sharded by FSDP2 like the rest; with nf4, a buffer that `quantize`
+    turns into an NF4Tensor, held whole on every rank). A and B are `lora_A.weight` [rank, in] and
+    `lora_B.weight` [out, rank], in the dtype W had before it was frozen."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, nf4: bool = False, base_dtype=None):
+        super().__init__()
+        w = base.weight
+        self.in_features, self.out_features, self.rank = base.in_features, base.out_features, rank
+        self.scaling = alpha / rank if rank else 0.0
+        if rank:
+            self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=w.device, dtype=w.dtype)
+            self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=w.device, dtype=w.dtype)
+            init_adapter(self.lora_A.weight, self.lora_B.weight)
+        w = w.detach().to(base_dtype or w.dtype)
+        if nf4:  # a persistent buffer until quantized: the state dict still loads it by name
+            self.register_buffer("weight", w)
+        else:
+            self.weight = nn.Parameter(w, requires_grad=False)
+
+    def adapters(self) -> tuple:
+        return (self.lora_A.weight, self.lora_B.weight) if self.rank else ()
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)  # an NF4Tensor weight is dequantized to x's dtype here (torchao's F.linear)
+        return y + self.lora_B(self.lora_A(x)) * self.scaling if self.rank else y
+
+
+@torch.no_grad()
+def init_adapter(a, b, generator=None):
+    """PEFT's initialisation: A kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B zero."""
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    b.zero_()
+
+
+class _TiledRows(torch.autograd.Function):
+    """fn over tiles of rows, each tile's forward and backward on its own (as model._TiledMLP, for any fn): the
+    backward recomputes each tile under autograd, so only the adapters get weight gradients (the frozen weights
+    need none), summed over the tiles in fp32 and rounded once. params: the tensors fn trains (its adapters)."""
+
+    @staticmethod
+    def forward(ctx, x, tile, value_is_read, fn, *params):
+        ctx.tile, ctx.fn = tile, fn
+        ctx.save_for_backward(x, *params)
+        if not value_is_read:  # a recomputed block's backward: only the graph is used (as in _TiledMLP)
+            return x.new_empty(x.shape)
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.cat([fn(xt) for xt in rows.split(tile)]).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *params = ctx.saved_tensors
+        rows, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+        dx = torch.empty_like(rows)
+        acc = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
+        for xt, dyt, dxt in zip(rows.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
+            with torch.enable_grad():
+                xt = xt.detach().requires_grad_()
+                grads = torch.autograd.grad(ctx.fn(xt), (xt, *params), dyt)
+            dxt.copy_(grads[0])
+            for a, g in zip(acc, grads[1:]):
+                a += g
+        return dx.view(x.shape), None, None, None, *(a.to(p.dtype) for a, p in zip(acc, params))
+
+
+class LoRAMLP(nn.Module):
+    """model.MLP with LoRALinear projections: down(silu(gate(x)) * up(x)), tiled along the sequence as MLP is
+    (`tile`, set by Qwen3.set_levers) but through _TiledRows, whose backward gives the adapters' gradients."""
+
+    def __init__(self, mlp: MLP, rank: int, alpha: float, targets, nf4=False, base_dtype=None):
+        super().__init__()
+        for name in MLP_PROJECTIONS:
+            setattr(self, name, LoRALinear(getattr(mlp, name), rank if name in targets else 0, alpha, nf4,
+                                           base_dtype))
+        self.tile = mlp.tile
+
+    def swiglu(self, x):
+        return self.down_proj(fused(_silu_mul, x)(self.gate_proj(x), self.up_proj(x)))
+
+    def forward(self, x, value_is_read=True):
+        if self.tile and x.shape[-2] > self.tile:
+            adapters = [w for name in MLP_PROJECTIONS for w in getattr(self, name).adapters()]
+            return _TiledRows.apply(x, self.tile, value_is_read, self.swiglu, *adapters)
+        return self.swiglu(x)
+
+
+class InputEmbedding(nn.Module):
+    """The frozen embedding, its output marked as requiring grad: a recomputed block takes its input as its only
+    tensor input (model._RecomputedBlock), so with nothing before the first block that trains, the blocks' graph
+    would otherwise never start (transformers' enable_input_require_grads does the same)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, ids):
+        x = F.embedding(ids, self.weight)
+        return x.requires_grad_() if torch.is_grad_enabled() and not x.requires_grad else x
+
+
+def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None, quantize: str = ""):
+    """Freeze every parameter of model (a Qwen3, on meta or CPU, before FSDP2) in base_dtype (default: as it is)
+    and give the projections named in targets (a tuple, or a comma list) adapters of `rank` in the model's dtype;
+    alpha 0 means 2 x rank (PEFT's default is 8). quantize "nf4": the blocks' projections become NF4 once
+    loaded (`quantize`). -> model."""
+    targets = parse_targets(targets) if isinstance(targets, str) else tuple(targets)
+    if model.cfg.num_experts and (set(targets) - set(ATTENTION) or quantize):
+        raise ValueError("LoRA on Qwen3-MoE adapts attention only, in bf16: pass --lora_targets "
+                         f"{','.join(ATTENTION)} and no --quantize")
+    alpha, nf4 = alpha or 2.0 * rank, quantize == "nf4"
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.embed_tokens = InputEmbedding(model.embed_tokens)
+    for block in model.layers:
+        for name in ATTENTION:
+            base = getattr(block.self_attn, name)
+            setattr(block.self_attn, name, LoRALinear(base, rank if name in targets else 0, alpha, nf4, base_dtype))
+        if isinstance(block.mlp, MLP):
+            block.mlp = LoRAMLP(block.mlp, rank, alpha, targets, nf4, base_dtype)
+    if base_dtype is not None:
+        for name, p in model.named_parameters():
+            if not is_adapter(name):
+                p.data = p.data.to(base_dtype)
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_state_dict(shapes: dict, seed: int, dtype=torch.float32) -> dict:
+    """The adapters of a model with these parameter shapes ({name: shape}), drawn as PEFT draws them from `seed`,
+    the same on any world size: what train.py loads beside the base weights."""
+    gen, sd = torch.Generator().manual_seed(seed), {}
+    for name in sorted(n for n in shapes if n.endswith(".lora_A.weight")):
+        b = name.replace(".lora_A.", ".lora_B.")
+        sd[name], sd[b] = torch.empty(shapes[name], dtype=dtype), torch.empty(shapes[b], dtype=dtype)
+        init_adapter(sd[name], sd[b], gen)
+    return sd
+
+
+def torchao_to_nf4():
+    """torchao's to_nf4(tensor, block_size, scaler_block_size), imported on first use (where torchao 0.18 has it,
+    or where earlier versions did)."""
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError:
+        try:
+            from torchao.dtypes import to_nf4
+        except ImportError as e:
+            raise ImportError(f"--quantize nf4 needs torchao ({e}): pip install torchao") from None
+    return to_nf4
+
+
+def nf4(w: torch.Tensor):
+    """w [out, in] -> torchao's NF4Tensor: 4-bit NormalFloat codes, an absmax per NF4_BLOCK weights, the absmaxes
+    quantized to int8 per NF4_SCALER_BLOCK of them (for a small model, per the largest power of two, at least 16,
+    that divides their count; every Qwen3 projection takes 256)."""
+    blocks = w.numel() // NF4_BLOCK
+    scaler_block = math.gcd(blocks, NF4_SCALER_BLOCK)
+    if w.numel() % NF4_BLOCK or scaler_block < 16:
+        raise ValueError(f"NF4 needs weights of a multiple of {NF4_BLOCK * 16} elements; {tuple(w.shape)} is not")
+    return torchao_to_nf4()(w.contiguous(), NF4_BLOCK, scaler_block)
+
+
+@torch.no_grad()
+def quantize(model):
+    """After the base weights are loaded: each block projection's weight becomes an NF4Tensor (a buffer that
+    checkpoints leave out: the base is reloaded from the model on resume). -> model."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear) and "weight" in m._buffers:
+            w = m._buffers.pop("weight")
+            m.register_buffer("weight", nf4(w), persistent=False)
+    return model
+
+
+def base_weight(m: LoRALinear, sd: dict, name: str) -> torch.Tensor:
+    """A projection's frozen weight, from the full state dict or (NF4, which checkpoints leave out) dequantized."""
+    return sd[name] if name in sd else m.weight.get_original_weight()
+
+
+def merged_state_dict(model, sd: dict, dtype) -> dict:
+    """The full state dict (sd: every parameter, gathered) with each adapter merged into its projection,
+    W + alpha / r * B @ A in fp32, every tensor in dtype: a plain Qwen3 checkpoint."""
+    out = {n: t for n, t in sd.items() if not is_adapter(n)}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            w = base_weight(m, sd, f"{name}.weight").float()
+            if m.rank:
+                a, b = sd[f"{name}.lora_A.weight"].float(), sd[f"{name}.lora_B.weight"].float()
+                w = w + m.scaling * (b @ a)
+            out[f"{name}.weight"] = w
+    return {n: t.to(dtype) for n, t in out.items()}
+
+
+def adapter_config(model, base_model: str) -> dict:
+    """adapter_config.json as PEFT writes it for these adapters."""
+    m = next(m for m in model.modules() if isinstance(m, LoRALinear) and m.rank)
+    targets = sorted({name.rpartition(".")[2] for name, x in model.named_modules()
+                      if isinstance(x, LoRALinear) and x.rank})
+    return dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model, r=m.rank,
+                lora_alpha=m.scaling * m.rank, target_modules=targets, lora_dropout=0.0, bias="none",
+                fan_in_fan_out=False, init_lora_weights=True, use_rslora=False, use_dora=False,
+                modules_to_save=None, inference_mode=True)
+
+
+def save(folder: str, model, sd: dict, base_model: str, merge: bool = False, dtype=torch.float32):
+    """The export: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors under PEFT's names,
+    base_model.model.model.layers.N....lora_A.weight) that peft.PeftModel.from_pretrained loads over the base;
+    or, merged, an HF checkpoint that transformers loads alone. sd: the full state dict (the adapters alone
+    will do unless merged). Every HF file of LoRA is written here."""
+    from safetensors.torch import save_file
+
+    from hf import hf_name, save_hf
+    if merge:
+        return save_hf(folder, model.cfg, merged_state_dict(model, sd, dtype))
+    os.makedirs(folder, exist_ok=True)
+    tensors = {"base_model.model." + hf_name(n): t.detach().to(dtype).contiguous().cpu()
+               for n, t in sd.items() if is_adapter(n)}
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(os.path.join(folder, "adapter_model.safetensors"), 0o666 & ~umask)  # safetensors writes 0600
+    with open(os.path.join(folder, "adapter_config.json"), "w") as fh:
+        json.dump(adapter_config(model, base_model), fh, indent=2)
+
+
+def describe(model) -> str:
+    """One line for the log: the adapters, their size, the base."""
+    lin = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    adapted = [m for m in lin if m.rank]
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    nf4_base = [m.weight for m in lin if "weight" in m._buffers]
+    total = sum(p.numel() for p in model.parameters()) + sum(w.numel() for w in nf4_base)
+    base = "NF4" if nf4_base else str(next(p.dtype for p in model.parameters() if not p.requires_grad))[6:]
+    return (f"LoRA: rank {adapted[0].rank}, alpha {adapted[0].scaling * adapted[0].rank:g} on {len(adapted)} "
+            f"projections: {trained / 1e6:.2f} M trained parameters ({trained / total:.2%}); the base frozen in {base}")

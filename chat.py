@@ -315,7 +315,7 @@ def _row_documents(rows, tokenizer, template, template_kwargs, options):
             if variables is None and chat:
                 if template is None and tokenizer.folder is None:
                     raise ValueError(f"{where} is a conversation, and the byte tokenizer has no chat template; "
-                                     "pass chat_template")
+                                     "pass --chat_template FILE.jinja")
                 try:
                     template = template if template is not None else load_chat_template(tokenizer.folder)
                 except FileNotFoundError as err:

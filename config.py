@@ -44,6 +44,8 @@ class TrainConfig:
     doc_attention: str = flag("balanced", "docs: balanced (chunks dealt to ranks by the mask's area; FA4 runs a "
                               "rank's documents in one call) | simple (zigzag, a call per document piece; slower)")
     assistant_only_loss: bool = flag(True, "messages rows: train on the assistant's turns only")
+    chat_template: str = flag("", "a .jinja file rendering messages rows; \"\" = the tokenizer folder's "
+                                  "(chat_template.jinja or tokenizer_config.json)")
     completion_only_loss: bool = flag(True, "prompt/completion rows: train on the completion only")
     seq_len: int = flag(1_048_576, "tokens per sequence", heading="the step")
     cp: int = flag(0, "context-parallel degree; 0 = the world size. Data parallel = world / cp")
@@ -119,7 +121,10 @@ PRESETS = {
     # the loss falls from 5.5 (uniform over 257 bytes) to ~2.4
     "demo": dict(model="tiny", tokenizer="byte", yarn_factor=0.0, data="synthetic", seq_len=4096, max_steps=150,
                  lr=3e-3, warmup_steps=10, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
-                 tiled_mlp=False, loss_chunk=512, out_dir="runs/demo"),
+                 tiled_mlp=False, loss_chunk=512, out_dir="runs/demo",
+                 # the byte tokenizer has no chat template: conversations (--data examples/chat.jsonl) use Qwen3's
+                 chat_template=os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples",
+                                            "qwen3_chat_template.jinja")),
 }
 
 # Flags a resumed run must keep: they define what the checkpoint holds (model, data stream, state dtype). The
@@ -208,6 +213,8 @@ def check_config(cfg: TrainConfig, world: int):
     need(not cfg.stochastic_rounding or cfg.param_dtype == "bfloat16",
          "--stochastic_rounding true rounds updates into bf16 weights: it needs --param_dtype bfloat16")
     need(cfg.packing in ("auto", *packing.PACKINGS), f"--packing {cfg.packing}: use auto, concat or docs")
+    need(not cfg.chat_template or os.path.isfile(cfg.chat_template),
+         f"--chat_template {cfg.chat_template}: no such file (a .jinja chat template; \"\" = the tokenizer's)")
     need(cfg.doc_attention in ("balanced", "simple"),
          f"--doc_attention {cfg.doc_attention}: use balanced or simple")
     need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0, "--gpu_mem_gib and --host_mem_gib must be >= 0")

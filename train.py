@@ -227,8 +227,9 @@ def make_batches(cfg: TrainConfig, setup: Setup, source: str, split: str, grad_a
             docs = lambda start: data.tokenized(data.iter_books(source, start_book=start, **kw), tok)  # noqa: E731
             return data.WindowLoader(docs, cfg.seq_len, dp_rank=dp_rank, dp_size=dp)
         # each row a document: text, a conversation, a prompt and its completion (chat.py), packed (packing.py)
+        template = open(cfg.chat_template, encoding="utf-8").read() if cfg.chat_template else None
         docs = lambda start: chat.iter_documents(  # noqa: E731
-            source, tok, start_row=start, assistant_only_loss=cfg.assistant_only_loss,
+            source, tok, start_row=start, chat_template=template, assistant_only_loss=cfg.assistant_only_loss,
             completion_only_loss=cfg.completion_only_loss, **kw)
         return packing.PackedLoader(docs, cfg.seq_len, tok.eos_id, dp_rank=dp_rank, dp_size=dp)
     cp_group = setup.mesh.get_group("cp")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
+import rundir
 
 EXIT_PREEMPTED = 75  # a signal asked the run to stop; it saved a checkpoint: relaunch the same command to continue
 
@@ -43,10 +44,10 @@ def write_line(stream, line: str) -> bool:
 
 
 class Log:
-    """What a rank says. Rank 0's lines go to stdout and to out_dir/train.log (appended, flushed line by line),
+    """What a rank says. Rank 0's lines go to stdout and to out_dir/train.log (appended, a whole line at a time),
     so that the run's record survives a lost terminal or a dead pipe. Lines said before the run is known to start
     are held and written when open() is called, so a start that fails leaves no file behind. Errors (any rank) go
-    to stderr, and rank 0's to train.log too."""
+    to stderr, and rank 0's to train.log too if it has room. A line train.log cannot take stops the run."""
 
     def __init__(self, rank: int):
         self.rank, self.fh, self.held = rank, None, []
@@ -58,20 +59,21 @@ class Log:
 
     def error(self, line: str):
         if self.rank == 0:
-            self._keep(line)
+            with contextlib.suppress(OSError):  # a full disk: the line is on stderr all the same
+                self._keep(line)
         write_line(sys.stderr, line)
 
     def _keep(self, line: str):
         if self.fh is None:
             self.held.append(line)
         else:
-            write_line(self.fh, line)
+            self.fh.write(line.replace("\n", " ") + "\n")
 
     def open(self, path: str):
         if self.rank == 0 and self.fh is None:
-            self.fh = open(path, "a")
+            self.fh = rundir.LineFile(path)
             for line in self.held:
-                write_line(self.fh, line)
+                self.fh.write(line.replace("\n", " ") + "\n")
             self.held = []
 
 

@@ -338,8 +338,8 @@ def schedule_anchor(cfg: TrainConfig, saved: dict, anchor, done: int) -> list | 
 
 def start_run(cfg: TrainConfig, given: set, cp: int, world: int, device, log) -> Run:
     """out_dir taken (rundir.Lock), the setup, the optimizer and the data; then the checkpoint to resume (if any),
-    what changed since the last launch, and the output checks. Nothing in out_dir changes until step 1 is done,
-    but the lock file."""
+    what changed since the last launch, and the output checks. Nothing in out_dir changes until step 1 is done
+    but the lock file of a folder that exists and the name of a checkpoint that fails (moved aside)."""
     lock = on_rank0(lambda: rundir.Lock(cfg.out_dir), device)
     try:
         return _start_run(cfg, given, cp, world, device, log, lock)
@@ -362,14 +362,15 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, device, log, l
     data_fp = {k: getattr(cfg, k) for k in ("data", "data_repo", "data_revision", "data_split", "data_column",
                                             "seq_len", "seed")}
     fp = rundir.fingerprint(setup.mcfg, setup.shapes, data_fp, data.tokenizer_spec(cfg.tokenizer, setup.model_path))
-    resume_from = from_rank0(on_rank0(lambda: rundir.resume_point(cfg.out_dir, cfg.resume, cfg.overwrite, fp, log),
-                                      device))
+    candidates = from_rank0(on_rank0(lambda: rundir.resume_candidates(cfg.out_dir, cfg.resume, cfg.overwrite, fp,
+                                                                      log), device))
+    model_sd, optim_sd = get_state_dict(setup.model, opt, options=CHECKPOINT_STATE)
+    state = {"model": model_sd, "optim": optim_sd}
     done, anchor, changes = 0, None, {}
-    if resume_from:
+    if candidates:
         t0 = time.time()
-        model_sd, optim_sd = get_state_dict(setup.model, opt, options=CHECKPOINT_STATE)
-        state = {"model": model_sd, "optim": optim_sd}
-        meta = checkpoint.load(resume_from, state)
+        resume_from, meta = rundir.load_newest(candidates, state, device, log, exc=SharedError,
+                                               move_aside=cfg.resume == "auto")
         changes = resume_changes(cfg, meta["config"])
         set_state_dict(setup.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=CHECKPOINT_STATE)
@@ -381,16 +382,17 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, device, log, l
             log("changed since the launch that saved it: " + "; ".join(f"--{k} {a} -> {b}" for k, (a, b) in
                                                                         changes.items()))
         if anchor != meta.get("lr_anchor") and done < cfg.max_steps:
-            log(f"the LR schedule continues from {lr_at(done, cfg, anchor):.3g} at step {done} on a cosine to "
-                f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps}, without a jump (to warm up again, start "
-                "a new run from an export: --model SAVE_DIR)")
+            log(f"the LR schedule continues at step {done + 1} with {lr_at(done + 1, cfg, anchor):.3g}, on a cosine "
+                f"to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps}, without a jump (to warm up again, "
+                "start a new run from an export: --model SAVE_DIR)")
     n_params, pbytes = sum(math.prod(x) for x in setup.shapes.values()), getattr(torch, cfg.param_dtype).itemsize
     n_trained = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)  # LoRA: the adapters
-    ckpt_bytes = 3 * n_trained * pbytes if cfg.checkpoints else 0  # weights and two AdamW states
-    needs = [(cfg.out_dir, "--out_dir", "a checkpoint", ckpt_bytes)]  # with --checkpoints false: writable, no size
+    ckpt_bytes = checkpoint.state_bytes(state, world) if cfg.checkpoints else 0  # with false: writable, no size
+    copies = on_rank0(lambda: rundir.checkpoints_to_fit(cfg.out_dir, cfg.keep_checkpoints), device)
+    needs = [(cfg.out_dir, "--out_dir", "a checkpoint", ckpt_bytes, copies)]
     if cfg.save_dir:
         exported = n_trained if cfg.lora_rank and not cfg.merge_lora else n_params
-        needs.append((cfg.save_dir, "--save_dir", "the exported model", exported * pbytes))
+        needs.append((cfg.save_dir, "--save_dir", "the exported model", exported * pbytes, 1))
     on_rank0(lambda: rundir.check_outputs(needs), device)
     if cfg.checkpoints:
         log(f"outputs: a checkpoint is about {rundir.human_bytes(ckpt_bytes)}; {cfg.keep_checkpoints} kept")
@@ -415,9 +417,9 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
         log(f"the run in {cfg.out_dir} is complete (step {run.done} of --max_steps {cfg.max_steps}); nothing to do. "
             "Raise --max_steps to train on, or use another --out_dir")
         return 0
-    eval_log = open_eval_log(cfg, run.done, device) if cfg.eval_every else None
-    if run.done == 0 and eval_due(cfg, 0):  # the model as it came, before any step
-        evaluate(cfg, setup, make_batches, 0, eval_log, log)
+    eval_log, first_eval = None, None
+    if run.done == 0 and eval_due(cfg, 0):  # the model as it came, before any step (written once step 1 is done)
+        first_eval = evaluate(cfg, setup, make_batches, 0, None, log)
     stop = StopRequest()  # from here on a signal ends the run with a checkpoint; before, it ends it at once
     last_save, saved, skipped, zero_norm = time.time(), run.done, 0, 0
     t_loop, step_times = time.time(), []
@@ -442,10 +444,11 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
             n_trained, n_pad = step_counts(batch, setup.mesh.get_local_rank("cp"), setup.device)
             loss, grad_norm, applied, by_position, aux_loss = train_step(setup.model, run.opt, batch, n_trained,
                                                                          cfg, lr_at(step, cfg, run.lr_anchor))
-        if step == run.done + 1:
-            if rank == 0:  # the run has started: now its files are written
-                run.metrics = rundir.begin(cfg.out_dir, run.done, dataclasses.asdict(cfg), run.launch)
-                log.open(os.path.join(cfg.out_dir, "train.log"))
+        if step == run.done + 1:  # the run has started: now its files are written
+            on_rank0(lambda: begin_files(cfg, run, log), device)
+            eval_log = open_eval_log(cfg, run.done, device) if cfg.eval_every else None
+            if eval_log and first_eval:
+                eval_log.write(first_eval)
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
         step_times.append(time.time() - t0)
         eta = progress(time.time() - t_loop, step_times, cfg.max_steps - step)
@@ -474,14 +477,48 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
     return 0
 
 
+# What defines a checkpoint's weights: --eval_only on a run's folder takes them from the run's config
+WEIGHT_FLAGS = ("model", "tokenizer", "yarn_factor", "yarn_original_max_position_embeddings", "param_dtype",
+                "lora_rank", "lora_alpha", "lora_targets", "quantize")
+
+
 def evaluate_only(cfg: TrainConfig, given: set, cp: int, world: int, device, log) -> int:
-    """--eval_only true: build --model (with --yarn_factor if given) sharded as for training, evaluate it once
-    at --seq_len, add a row (step 0) to out_dir/eval.jsonl. No optimizer, no training data, no checkpoint."""
+    """--eval_only true: evaluate once at --seq_len and add a row to out_dir/eval.jsonl. The weights are those of
+    the newest checkpoint in --out_dir that verifies (the row's step is its step; the model as the run defined
+    it), or, where --model is named or there is none, --model's (with --yarn_factor if given; step 0). The
+    model is sharded as for training; no optimizer, no training data. A run live in --out_dir is not disturbed:
+    its lock stops this launch."""
+    named = "model" in given and cfg.model != config.PRESETS[cfg.config].get("model")  # a preset's own is not
+    lock = None
+
+    def find():  # rank 0: the lock of a run's folder, its checkpoints whose files are whole, the newest's config
+        nonlocal lock
+        lock = rundir.lock_if_run(cfg.out_dir)
+        paths = [] if named or not os.path.isdir(cfg.out_dir) else rundir.published(cfg.out_dir, log)
+        return paths, next((t["config"] for t in map(checkpoint.read_trainer, paths) if t), None)
+    paths, saved = from_rank0(on_rank0(find, device))
+    for k in WEIGHT_FLAGS if saved else ():
+        setattr(cfg, k, saved.get(k, getattr(cfg, k)))
     setup = build(cfg, given, cp, world, device, log)
-    log(f"eval only: {cfg.model}, rope_scaling {setup.mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
+    step, what = 0, cfg.model
+    if paths:
+        fp = rundir.fingerprint(setup.mcfg, setup.shapes, {}, data.tokenizer_spec(cfg.tokenizer, setup.model_path))
+        on_rank0(lambda: [rundir.check_fingerprint(p, {k: v for k, v in fp.items() if k != "data"}) for p in paths],
+                 device)
+        state = {"model": get_model_state_dict(setup.model, options=CHECKPOINT_STATE)}
+        path, trainer = rundir.load_newest(paths, state, device, log, exc=SharedError)
+        set_model_state_dict(setup.model, state["model"], options=CHECKPOINT_STATE)
+        step, what = trainer["step"], f"checkpoint {path} (step {trainer['step']}; --model NAME evaluates another)"
+    log(f"eval only: {what}, rope_scaling {setup.mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
         f"{cfg.seq_len:,} tokens from {cfg.eval_data or cfg.data} ({cfg.eval_split})")
-    evaluate(cfg, setup, make_batches, 0, open_eval_log(cfg, sys.maxsize, device), log)
+    evaluate(cfg, setup, make_batches, step, open_eval_log(cfg, sys.maxsize, device), log)
     return 0
+
+
+def begin_files(cfg: TrainConfig, run: Run, log):
+    """Rank 0, once step 1 is done: out_dir's files (rundir.begin) and train.log."""
+    run.metrics = rundir.begin(cfg.out_dir, run.done, dataclasses.asdict(cfg), run.launch, run.lock)
+    log.open(os.path.join(cfg.out_dir, "train.log"))
 
 
 def check_health(cfg: TrainConfig, step: int, skipped: int, zero_norm: int, log):
@@ -610,6 +647,10 @@ def export_hf(cfg: TrainConfig, setup: Setup, log):
                 if f.startswith("tokenizer") or f in ("vocab.json", "merges.txt", "generation_config.json"):
                     shutil.copy(os.path.join(spec, f), tmp)
             checkpoint.publish(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise checkpoint.write_error(final, sum(t.numel() * t.element_size() for t in sd.values()), e,
+                                         "free space there or choose another --save_dir") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

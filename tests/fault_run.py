@@ -4,6 +4,7 @@
     FAULT=kill_in_save:RANK:STEP                                                   # SIGKILL inside a checkpoint write
     FAULT=kill_in_delete:0:STEP                                                    # SIGKILL while an old one is deleted
     FAULT=nan:STEP[:LAST]        a NaN in one gradient on steps STEP..LAST (default: STEP only)
+    FAULT=fill:STEP:BYTES        before step STEP, rank 0 fills the disk of --out_dir to BYTES free (a file beside it)
 
 A fault fires only in torchrun's first launch (TORCHELASTIC_RESTART_COUNT 0): a run that torchrun restarts
 is the same command without it (the tests relaunch by hand without FAULT). The wrappers replace module-level
@@ -35,6 +36,10 @@ _lr_at = train.lr_at
 
 
 def lr_at(step, cfg, *rest):  # called once per step, just before train_step: tells the wrappers which step runs
+    if kind == "fill" and first_launch and rank == 0 and step == int(nums[0]) != current["step"]:
+        filler = os.path.join(os.path.dirname(os.path.abspath(cfg.out_dir)), "filler")
+        with open(filler, "wb") as fh:
+            fh.write(b"\0" * (os.statvfs(filler).f_bavail * os.statvfs(filler).f_frsize - int(nums[1])))
     current["step"] = step
     return _lr_at(step, cfg, *rest)
 

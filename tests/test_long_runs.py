@@ -240,22 +240,28 @@ def test_data_that_runs_out_ends_the_run_with_a_checkpoint(tmp_path):
     assert 3 < last < 50 and "the data ran out after step" in p.stdout and steps(out) == [last]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    d = tmp_path / "disk"
+def mount_small_disk(d, size: str):
+    """A tmpfs of `size` at folder d (skips the test where mounting needs a privilege this process lacks)."""
     d.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here to fill ({p.stderr.strip()[:100]}); needs root or CAP_SYS_ADMIN")
-    yield d
-    subprocess.run(["umount", "-l", str(d)])
+    return d
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    yield mount_small_disk(tmp_path / "disk", "6m")
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")])
 
 
 def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk):
-    """The tiny model's checkpoint is ~1.4 MiB (119k parameters: fp32 weights + two AdamW states) on a 2 MiB
-    disk: the first fits, the second does not."""
+    """The tiny model's checkpoint is ~1.7 MiB (119k parameters: fp32 weights + two AdamW states, and dcp's
+    framing) on a 6 MiB disk: room for the 3 that --keep_checkpoints 2 needs at once, until another program
+    fills the disk to 1 MiB free after the first checkpoint: the second does not fit."""
     out = small_disk / "run"
-    p = launch(2, out, "--max_steps", "4", "--ckpt_every", "2", "--keep_checkpoints", "2")
+    p = launch(2, out, "--max_steps", "4", "--ckpt_every", "2", "--keep_checkpoints", "2",
+               fault=f"fill:3:{2**20}")
     lines = error_lines(p)
     # the cause as the writer saw it ("No space left on device", or torch's "unexpected pos" on a short write),
     # then the free space against what a checkpoint takes
@@ -266,7 +272,7 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_dis
 
 def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
     big = small_disk / "filler"
-    big.write_bytes(b"\0" * (1900 * 1024))
+    big.write_bytes(b"\0" * (6 * 2**20 - 100 * 1024))
     p = launch(2, small_disk / "run", "--max_steps", "4")
     lines = error_lines(p)
     assert p.returncode != 0 and "MiB free on its disk, but a checkpoint needs about" in lines[0], lines

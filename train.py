@@ -22,7 +22,6 @@ import datetime
 import functools
 import math
 import os
-import shutil
 import socket
 import statistics
 import sys
@@ -52,6 +51,7 @@ import parallel
 import plan
 import rundir
 from config import TrainConfig
+from export import all_finite, export_hf
 from evaluate import PositionSums, eval_due, evaluate, open_eval_log, peak_memory
 from model import Qwen3, Qwen3Config
 from profiling import profiled
@@ -591,16 +591,8 @@ def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, eta
 
 
 # ---------------------------------------------------------------------------------------------
-# Saving: checkpoints and the HF export
+# Saving: checkpoints (the HF export is export.py's)
 # ---------------------------------------------------------------------------------------------
-
-def all_finite(model) -> bool:
-    """True on every rank if every rank's weight shards are finite."""
-    bad = sum(int((~torch.isfinite(parallel.local_shard(p))).sum()) for p in model.parameters())
-    t = torch.tensor([float(bad)], device=next(model.parameters()).device)
-    dist.all_reduce(t)
-    return t.item() == 0
-
 
 # A checkpoint holds what trains and its AdamW states: with LoRA the adapters alone (megabytes); the frozen base
 # is read from --model again on resume
@@ -620,42 +612,6 @@ def save_checkpoint(cfg: TrainConfig, run: Run, step: int, log):
                      "lr_anchor": run.lr_anchor},
                     run.fingerprint, keep=cfg.keep_checkpoints)
     log(f"checkpoint: step {step} saved to {checkpoint.step_dir(root, step)} in {time.time() - t0:.1f} s")
-
-
-def export_hf(cfg: TrainConfig, setup: Setup, log):
-    """The HF export (--save_dir): weights + config.json + the tokenizer the run used, written beside the
-    folder and renamed into place, so --save_dir is never a mix of two saves."""
-    if not all_finite(setup.model):
-        raise SharedError("error: the weights hold non-finite values; not exporting them to --save_dir")
-    adapters_only = bool(cfg.lora_rank) and not cfg.merge_lora
-    sd = get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                    ignore_frozen_params=adapters_only))
-
-    def write():
-        final = os.path.abspath(cfg.save_dir)
-        tmp = f"{final}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            if cfg.lora_rank:  # a PEFT adapter folder, or the merged model
-                lora.save(tmp, setup.model, sd, cfg.model, cfg.merge_lora, getattr(torch, cfg.param_dtype))
-            else:
-                hf.save_hf(tmp, setup.mcfg, sd)
-            spec = data.tokenizer_spec(cfg.tokenizer, setup.model_path)
-            if os.path.isfile(spec):
-                shutil.copy(spec, os.path.join(tmp, "tokenizer.json"))
-            for f in os.listdir(spec) if os.path.isdir(spec) else []:
-                if f.startswith("tokenizer") or f in ("vocab.json", "merges.txt", "generation_config.json"):
-                    shutil.copy(os.path.join(spec, f), tmp)
-            checkpoint.publish(tmp, final)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise checkpoint.write_error(final, sum(t.numel() * t.element_size() for t in sd.values()), e,
-                                         "free space there or choose another --save_dir") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log(f"exported HF weights to {cfg.save_dir}")
-    on_rank0(write, setup.device)
 
 
 # ---------------------------------------------------------------------------------------------

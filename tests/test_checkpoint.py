@@ -241,7 +241,7 @@ def test_a_full_disk_is_named_in_one_line_and_no_log_holds_half_a_line(tiny_disk
         range(1, len(metrics.splitlines()) + 1))
     log = (out / "train.log").read_text()
     assert log.endswith("\n") and all(x.startswith(("config:", "world", "fit:", "model:", "outputs:", "time to",
-                                                    "step ")) for x in log.splitlines()), log[-500:]
+                                                    "step ", "error")) for x in log.splitlines()), log[-500:]
 
 
 def test_the_start_check_counts_the_kept_checkpoints_and_the_next(tmp_path):

@@ -179,7 +179,8 @@ def test_offload_pins_exactly_the_bytes_asked():
     buf, reg = off.host[(0, "x")], off.pinned[(0, "x")]
     size = M.pinned_size(nbytes)
     assert nbytes == 7_404_000 and size == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE < nbytes + mmap.PAGESIZE
-    assert off.host_bytes() == size and buf.is_pinned() and buf.data_ptr() == reg.ptr
+    # (torch's is_pinned() does not know memory pinned by cudaHostRegister; the unregister below succeeding does)
+    assert off.host_bytes() == size and buf.data_ptr() == reg.ptr
     assert reg.ptr % mmap.PAGESIZE == 0
     assert int(cudart.cudaHostUnregister(reg.ptr)) == 0 and int(cudart.cudaHostRegister(reg.ptr, size, 0)) == 0
     assert torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) == before

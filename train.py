@@ -46,6 +46,7 @@ import data
 import optim
 import parallel
 import plan
+import retrieval
 import rundir
 from model import Qwen3, Qwen3Config, load_or_init_state_dict, local_folder, save_hf
 
@@ -130,6 +131,16 @@ class TrainConfig:
     eval_data: str = ""           # "" = --data's --eval_split (synthetic: books no training stream reaches)
     eval_split: str = "validation"
     eval_sequences: int = 2       # held-out sequences of --seq_len tokens per evaluation (the same ones each time)
+    # needle-in-a-haystack retrieval with each evaluation (retrieval.py): out_dir/retrieval.jsonl and retrieval.png
+    retrieval: bool = False
+    retrieval_lengths: str = ""   # window lengths in tokens, comma-separated; "" = --seq_len
+    retrieval_depths: str = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"  # where the needles sit: fractions of the
+                                                                    # haystack
+    retrieval_keys: int = 4       # needles per (length, depth)
+    retrieval_needles: int = 0    # needles per window at most (one per depth); 0 = as many as fit in a quarter of it
+    retrieval_data: str = ""      # the haystack's text (its --eval_split); "" = --eval_data, else --data
+    retrieval_chat: str = "auto"  # true: rendered through the chat template | false: plain text | auto: true
+                                  # when --packing is docs and the tokenizer has a chat template
 
 
 PRESETS = {
@@ -241,6 +252,14 @@ def check_config(cfg: TrainConfig, world: int) -> int:
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
          f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "
          "folder of books not trained on)")
+    need(not cfg.retrieval or cfg.eval_every or cfg.eval_only, "--retrieval true runs with each evaluation: "
+         "set --eval_every N or --eval_only true")
+    need(cfg.retrieval_chat in ("auto", "true", "false"), f"--retrieval_chat {cfg.retrieval_chat}: auto, true or false")
+    try:
+        retrieval.parse_grid(cfg.retrieval_lengths, cfg.retrieval_depths, cfg.retrieval_keys, cfg.retrieval_needles,
+                             cfg.seq_len, cp)
+    except ValueError as e:
+        need(False, str(e))
     return cp
 
 
@@ -991,6 +1010,8 @@ def evaluate(cfg: TrainConfig, s: Setup, step: int, eval_log, log) -> dict:
         + (f" | peak mem {rec['peak_mem_gib']:.1f} GiB" if peak is not None else ""))
     if eval_log:
         eval_log.write(rec)
+    if cfg.retrieval:
+        retrieval.run(cfg, s, step, log, plan_shape(cfg, s.mcfg, s.mesh.size()) if cfg.device == "cuda" else None)
     return rec
 
 

@@ -395,8 +395,9 @@ def plot(panels: list[tuple[str, list[dict]]], path: str, title: str = "") -> st
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 3.6), squeeze=False)
-    for ax, (name, cs) in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1, 3.6), squeeze=False)
+    fig.subplots_adjust(wspace=0.3)
+    for i, (ax, (name, cs)) in enumerate(zip(axes[0], panels)):
         lengths, depths = sorted({c["length"] for c in cs}), sorted({c["depth"] for c in cs})
         grid = np.full((len(lengths), len(depths)), np.nan)
         for c in cs:
@@ -408,7 +409,8 @@ def plot(panels: list[tuple[str, list[dict]]], path: str, title: str = "") -> st
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_yticks(range(len(lengths)), [f"{n:,}" for n in lengths])
         ax.set_xlabel("depth of the needle")
-        ax.set_ylabel("window (tokens)")
+        if i == 0:
+            ax.set_ylabel("window (tokens)")
         ax.set_title(name, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), label="exact match")
     if title:

@@ -16,6 +16,7 @@ import torch
 
 import lora
 import packing
+import retrieval
 
 
 def flag(default, help: str, heading: str = ""):
@@ -107,6 +108,16 @@ class TrainConfig:
     eval_data: str = flag("", '"" = --data\'s --eval_split (synthetic: books no training stream reaches)')
     eval_split: str = flag("validation", "the split evaluated on")
     eval_sequences: int = flag(2, "held-out sequences of --seq_len tokens per evaluation (the same ones each time)")
+    retrieval: bool = flag(False, "needle-in-a-haystack retrieval with each evaluation: out_dir/retrieval.jsonl "
+                           "and retrieval.png", heading="retrieval (retrieval.py)")
+    retrieval_lengths: str = flag("", "window lengths in tokens, comma-separated; \"\" = --seq_len")
+    retrieval_depths: str = flag("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+                                 "where the needles sit: fractions of the haystack")
+    retrieval_keys: int = flag(4, "needles per (length, depth)")
+    retrieval_needles: int = flag(0, "needles per window at most (one per depth); 0 = as many as fit in a quarter")
+    retrieval_data: str = flag("", "the haystack's text (its --eval_split); \"\" = --eval_data, else --data")
+    retrieval_chat: str = flag("auto", "true: rendered through the chat template | false: plain text | auto: true "
+                                       "when --packing is docs and the tokenizer has a chat template")
     lora_rank: int = flag(0, "0 = full fine-tune; r > 0: adapters A [r, in], B [out, r] beside each target",
                           heading="LoRA and QLoRA (lora.py): the model frozen in --dtype, adapters trained in "
                                   "--param_dtype")
@@ -246,6 +257,14 @@ def check_config(cfg: TrainConfig, world: int):
     need(1 <= cfg.loss_buckets <= cfg.seq_len, f"--loss_buckets must lie in 1..--seq_len, not {cfg.loss_buckets}")
     need(cfg.eval_every >= 0 and cfg.eval_sequences >= 1, "--eval_every must be >= 0 (0: never) and "
          "--eval_sequences >= 1")
+    need(not cfg.retrieval or cfg.eval_every or cfg.eval_only, "--retrieval true runs with each evaluation: "
+         "set --eval_every N or --eval_only true")
+    need(cfg.retrieval_chat in ("auto", "true", "false"), f"--retrieval_chat {cfg.retrieval_chat}: auto, true or false")
+    try:
+        retrieval.parse_grid(cfg.retrieval_lengths, cfg.retrieval_depths, cfg.retrieval_keys, cfg.retrieval_needles,
+                             cfg.seq_len, context_parallel(cfg, world))
+    except ValueError as e:
+        need(False, str(e))
     lora_error = lora.check_flags(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.quantize, cfg.merge_lora)
     need(lora_error is None, lora_error)
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 import data
+import fit
+import retrieval
 import rundir
 from survival import SharedError, on_rank0
 
@@ -116,4 +118,7 @@ def evaluate(cfg, setup, make_batches, step: int, eval_log, log) -> dict:
         + (f" | peak mem {rec['peak_mem_gib']:.1f} GiB" if peak is not None else ""))
     if eval_log:
         eval_log.write(rec)
+    if cfg.retrieval:  # the needle test at the same step (retrieval.py)
+        shape = fit.plan_shape(cfg, setup.mcfg, setup.mesh.size()) if cfg.device == "cuda" else None
+        retrieval.run(cfg, setup, step, log, shape)
     return rec

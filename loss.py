@@ -23,6 +23,11 @@ def _mm_fp32(a, b):
     return a.float() @ b.float()  # CPU has no mixed-dtype GEMM; widening bf16 is exact, so the math is the same
 
 
+def row_logits(hidden, weight):
+    """hidden [n, H] @ weight.T -> [n, V] fp32 logits of a few rows (evaluation scores chosen rows this way)."""
+    return _mm_fp32(hidden, weight.T)
+
+
 def addmm_fp32_(acc, a, b):
     """acc += a @ b for an fp32 acc, the operands in their own dtype, with no [m, n] temporary."""
     if a.dtype != acc.dtype and a.is_cuda:

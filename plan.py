@@ -302,6 +302,15 @@ def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
             + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6)
 
 
+def forward_seconds(s: Shape, k: Constants = FITTED) -> float:
+    """One forward with nothing kept for a backward (an evaluation): attention's forward, the blocks' GEMMs once,
+    and a third of the per-token term (fitted to whole steps; how it splits over their passes was not measured).
+    About a third of a step that recomputes nothing."""
+    return (attention_fwd_flops(s) / s.cp * s.attn_area / (k.attn_tflops[s.attn_backend] * 1e12)
+            + 2 * s.tokens * s.blocks_matmul_params / (k.gemm_tflops * 1e12)
+            + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 / 3)
+
+
 def predict(s: Shape, lv: Levers, k: Constants = FITTED) -> Cost:
     return Cost(gpu_bytes(s, lv, k) / 2**30, host_bytes(s, lv) / 2**30, step_seconds(s, lv, k))
 

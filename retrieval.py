@@ -465,7 +465,7 @@ def run(cfg, s, step: int, log, shape=None) -> dict | None:
     # rows of later steps go, as in metrics.jsonl, when a resumed run evaluates again; --eval_only adds its row
     rows = rundir.JsonlLog(os.path.join(cfg.out_dir, "retrieval.jsonl"), sys.maxsize if cfg.eval_only else step - 1)
     rows.write(row)
-    rows.fh.close()
+    rows.file.close()
     log(summary(step, row))
     name = f"step {step}, rope_scaling {s.mcfg.rope_scaling}"
     if plot([(name, cs)], os.path.join(cfg.out_dir, "retrieval.png")) is None:

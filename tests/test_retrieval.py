@@ -22,6 +22,8 @@ import torch.distributed as dist
 import data
 import plan
 import retrieval as R
+import chat
+import hf as H
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention
 from test_ring import run_ranks
@@ -57,7 +59,7 @@ def folders(tmp_path_factory):
             for n, p in m.named_parameters():
                 if n.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5, generator=gen)
-        m.save_pretrained(str(out[yarn]))
+        H.save_pretrained(m, str(out[yarn]))
     return out
 
 
@@ -89,7 +91,7 @@ def _rank_main(rank, world, port, out_dir):
     try:
         ws, results = windows(), {}
         for yarn in (False, True):
-            m = Qwen3.from_pretrained(str(Path(out_dir) / ("yarn" if yarn else "rope")), dtype=torch.float32)
+            m = H.from_pretrained(str(Path(out_dir) / ("yarn" if yarn else "rope")), dtype=torch.float32)
             m.attn_fn = RingAttention(dist.group.WORLD)
             results[f"cp{world}", yarn] = R.score(m, ws, dist.group.WORLD)
             if world == 4:  # cp 2 x dp 2, on an odd number of windows: the last round runs one window twice
@@ -109,7 +111,7 @@ def test_scores_equal_transformers(world, folders, tmp_path):
     for yarn, folder in folders.items():
         os.symlink(folder, tmp_path / folder.name)
     if world == 1:
-        ranks = [{("cp1", yarn): R.score(Qwen3.from_pretrained(str(f), dtype=torch.float32), ws)
+        ranks = [{("cp1", yarn): R.score(H.from_pretrained(str(f), dtype=torch.float32), ws)
                   for yarn, f in folders.items()}]
     else:
         ranks = run_ranks(world, tmp_path, timeout=300, main=_rank_main)
@@ -124,7 +126,7 @@ def test_scores_equal_transformers(world, folders, tmp_path):
 def test_random_model_scores_at_chance(folders):
     """No key retrieved, and each answer token's NLL near ln(257): the odds of a 5-digit key by chance are ~1e-12."""
     ws = windows()
-    m = Qwen3.from_pretrained(str(folders[False]), dtype=torch.float32)
+    m = H.from_pretrained(str(folders[False]), dtype=torch.float32)
     cs = R.cells(ws, R.score(m, ws))
     assert [(c["length"], c["depth"], c["keys"]) for c in cs] == [(n, d, 1) for n in (256, 768) for d in (0, 0.5, 1)]
     assert all(c["exact_match"] == 0 for c in cs)
@@ -137,7 +139,7 @@ def test_a_trained_model_retrieves_at_its_length():
     """The tiny Qwen3 of bench/retrieval_small.py (600 steps on passkey windows of 128 bytes; its weights, in
     bf16, are a fixture) retrieves most keys at 128 on books of the test split, which neither its training nor
     the bench read, and none at 8 x 128 with the RoPE it was trained with."""
-    m = Qwen3.from_pretrained(str(Path(__file__).parent / "fixtures" / "passkey_qwen3"), dtype=torch.float32)
+    m = H.from_pretrained(str(Path(__file__).parent / "fixtures" / "passkey_qwen3"), dtype=torch.float32)
     ws = R.build_windows(TOK, R.Grid([128, 1024], [0.0, 0.5, 1.0], 4, 1), SOURCE, "test", seed=1)
     at_128, at_1024 = R.by_length(R.cells(ws, R.score(m, ws)))
     assert at_128["exact_match"] >= 0.6 and at_128["nll"] < 0.5, at_128
@@ -245,7 +247,7 @@ def test_chat_form_is_the_templates_rendering(tmp_path):
         hay = tok.decode(w.ids[slice(*w.haystack)].tolist()) + "\n\n" if i == 0 else ""
         messages += [{"role": "user", "content": hay + f"What is the {n.name} passkey?"},
                      {"role": "assistant", "content": f"The {n.name} passkey is {n.key}."}]
-    assert tok.decode(w.ids[:-1].tolist()) == data.render_chat(QWEN3, messages, **data.template_variables(folder))
+    assert tok.decode(w.ids[:-1].tolist()) == chat.render_chat(QWEN3, messages, **chat.template_variables(folder))
     for n in w.needles:
         a, b = n.answer
         assert tok.decode(w.ids[a:b].tolist()) == " " + n.key
@@ -316,7 +318,7 @@ def test_each_evaluation_writes_a_row_and_a_line(one_rank, folders, tmp_path, mo
     cfg = train.TrainConfig(model=str(folders[False]), tokenizer="byte", data=SOURCE, seq_len=256,
                             out_dir=str(tmp_path), retrieval=True, retrieval_depths="0,1", retrieval_keys=1,
                             device="cpu")
-    m = Qwen3.from_pretrained(str(folders[False]), dtype=torch.float32)
+    m = H.from_pretrained(str(folders[False]), dtype=torch.float32)
     s = train.Setup(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp")), m, m.cfg, str(folders[False]), {},
                     torch.device("cpu"))
     lines = []

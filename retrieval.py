@@ -65,12 +65,13 @@ def filler(books, tok):
                 yield ids, s
 
 
-def book_stream(source: str, split: str, seed: int, start: int):
-    """The texts of `source` from book `start` on, starting over from the first when the source ends."""
+def book_stream(source: str, split: str, seed: int, start: int, **kw):
+    """The texts of `source` from book `start` on, starting over from the first when the source ends; kw: the
+    rest of data.iter_books's arguments (repo, revision, text_column)."""
     first = True
     while True:
         empty = True
-        for _, text in data.iter_books(source, seed=seed, start_book=start if first else 0, split=split):
+        for _, text in data.iter_books(source, seed=seed, start_book=start if first else 0, split=split, **kw):
             if isinstance(text, str) and text.strip():
                 empty = False
                 yield text
@@ -335,10 +336,10 @@ def needle_tokens(tok) -> int:
                                                                       f"{key}."))
 
 
-def build_windows(tok, grid: Grid, source: str, split: str, seed: int, render=None) -> list[Window]:
+def build_windows(tok, grid: Grid, source: str, split: str, seed: int, render=None, **kw) -> list[Window]:
     """Every window of the grid, the same at every evaluation. A window holds grid.needles of the depths, or as
     many as fit in NEEDLE_SHARE of it (all of them at training lengths), so a length takes keys x ceil(depths /
-    that) windows; window j of a length reads its filler from book j of the source on."""
+    that) windows; window j of a length reads its filler from book j of the source on (kw: book_stream's)."""
     out, cost = [], needle_tokens(tok)
     for length in grid.lengths:
         per = grid.needles or max(1, int(NEEDLE_SHARE * length) // cost)
@@ -347,7 +348,7 @@ def build_windows(tok, grid: Grid, source: str, split: str, seed: int, render=No
             for g in range(groups):
                 j = k * groups + g
                 rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(length, j)))
-                sents = filler(book_stream(source, split, seed, j), tok)
+                sents = filler(book_stream(source, split, seed, j, **kw), tok)
                 out.append(build_window(tok, sents, length, grid.depths[g::groups], rng, render))
     return out
 
@@ -448,9 +449,12 @@ def run(cfg, s, step: int, log, shape=None) -> dict | None:
             tok = data.load_tokenizer(data.tokenizer_spec(cfg.tokenizer, s.model_path))
             chat = chat_wanted(cfg, tok)
             render = chat_renderer(tok.folder) if chat else None
-            windows = build_windows(tok, grid, source, cfg.eval_split, cfg.seed, render)
+            kw = dict(revision=cfg.data_revision, text_column=cfg.data_column, **(
+                {"repo": cfg.data_repo} if cfg.data_repo else {}))
+            windows = build_windows(tok, grid, source, cfg.eval_split, cfg.seed, render, **kw)
         except Exception as e:
-            error = f"error: --retrieval: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            error = (f"error: --retrieval, the haystack's text from {source} ({cfg.eval_split}): {type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}; --retrieval_data names another source of text")
     parallel.all_ok(error, "building the retrieval test", s.device)
     windows = share(windows, s.device)
     scores = score(s.model, windows, s.mesh.get_group("cp"), s.mesh.get_local_rank("dp"), s.mesh.size(0), s.device)

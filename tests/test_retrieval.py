@@ -345,3 +345,28 @@ def test_chat_form_by_default_for_conversation_runs(tmp_path):
     assert not R.chat_wanted(dataclasses.replace(cfg, packing="concat"), with_template)
     assert not R.chat_wanted(dataclasses.replace(cfg, packing="auto", data="synthetic"), with_template)
     assert R.chat_wanted(dataclasses.replace(cfg, packing="concat", retrieval_chat="true"), TOK)
+
+
+def test_a_source_without_text_stops_every_rank_with_a_message(one_rank, folders, tmp_path):
+    import train
+    from torch.distributed.device_mesh import init_device_mesh
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    cfg = train.TrainConfig(model=str(folders[False]), tokenizer="byte", retrieval_data=str(rows), seq_len=256,
+                            out_dir=str(tmp_path), retrieval=True, device="cpu", packing="concat")
+    m = Qwen3.from_pretrained(str(folders[False]), dtype=torch.float32)
+    s = train.Setup(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp")), m, m.cfg, None, {},
+                    torch.device("cpu"))
+    with pytest.raises(SystemExit, match="has no field 'text'.*--retrieval_data names another source of text"):
+        R.run(cfg, s, 0, print)
+
+
+def test_train_py_checks_the_flags_before_any_work():
+    import train
+    cfg = train.TrainConfig(device="cpu", seq_len=4096, retrieval=True)
+    for kw, msg in [(dict(), "runs with each evaluation: set --eval_every N or --eval_only true"),
+                    (dict(eval_every=5, retrieval_lengths="1000"), "multiple of 2\\*cp = 16"),
+                    (dict(eval_only=True, retrieval_chat="yes"), "--retrieval_chat yes: auto, true or false")]:
+        with pytest.raises(SystemExit, match=msg):
+            train.check_config(dataclasses.replace(cfg, **kw), 8)
+    assert train.check_config(dataclasses.replace(cfg, eval_every=5, retrieval_lengths="4096,8192"), 8) == 8

@@ -354,7 +354,7 @@ def test_a_source_without_text_stops_every_rank_with_a_message(one_rank, folders
     rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     cfg = train.TrainConfig(model=str(folders[False]), tokenizer="byte", retrieval_data=str(rows), seq_len=256,
                             out_dir=str(tmp_path), retrieval=True, device="cpu", packing="concat")
-    m = Qwen3.from_pretrained(str(folders[False]), dtype=torch.float32)
+    m = H.from_pretrained(str(folders[False]), dtype=torch.float32)
     s = train.Setup(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp")), m, m.cfg, None, {},
                     torch.device("cpu"))
     with pytest.raises(SystemExit, match="has no field 'text'.*--retrieval_data names another source of text"):
@@ -362,11 +362,11 @@ def test_a_source_without_text_stops_every_rank_with_a_message(one_rank, folders
 
 
 def test_train_py_checks_the_flags_before_any_work():
-    import train
-    cfg = train.TrainConfig(device="cpu", seq_len=4096, retrieval=True)
+    import config
+    cfg = config.TrainConfig(device="cpu", seq_len=4096, retrieval=True)
     for kw, msg in [(dict(), "runs with each evaluation: set --eval_every N or --eval_only true"),
                     (dict(eval_every=5, retrieval_lengths="1000"), "multiple of 2\\*cp = 16"),
                     (dict(eval_only=True, retrieval_chat="yes"), "--retrieval_chat yes: auto, true or false")]:
         with pytest.raises(SystemExit, match=msg):
-            train.check_config(dataclasses.replace(cfg, **kw), 8)
-    assert train.check_config(dataclasses.replace(cfg, eval_every=5, retrieval_lengths="4096,8192"), 8) == 8
+            config.check_config(dataclasses.replace(cfg, **kw), 8)
+    config.check_config(dataclasses.replace(cfg, eval_every=5, retrieval_lengths="4096,8192"), 8)  # passes

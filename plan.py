@@ -417,11 +417,15 @@ if __name__ == "__main__":
     ap.add_argument("--host_mem_gib", type=float, default=1907, help="per node (2 TB = 1907 GiB)")
     ap.add_argument("--doc_lens", default="", help="a packed window's documents (e.g. 4x65536 or 8192,16384,...): "
                     "time its masked attention (balanced as train.py shards it); default one sequence")
+    ap.add_argument("--lora_rank", type=int, default=0, help="adapters of this rank on every projection; 0: off")
+    ap.add_argument("--quantize", default="", choices=["", "nf4"], help="with --lora_rank: the frozen base in NF4")
     a = ap.parse_args()
     world = a.nproc * a.nodes
     s = Shape.of(Qwen3Config.from_pretrained(a.model), a.seq_len, a.cp or world, world, a.nproc,
                  param_bytes=4 if a.param_dtype == "float32" else 2, attn_backend=a.attn_backend,
                  stochastic_rounding=a.stochastic_rounding == "true")
+    if a.lora_rank:
+        s = s.lora_shape(a.lora_rank, a.quantize)
     try:
         if a.doc_lens:
             docs = parse_doc_lens(a.doc_lens)

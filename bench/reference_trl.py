@@ -67,6 +67,7 @@ import time
 T_START = time.time()  # "time to first step" counts from here, as train.py counts from its start
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -106,26 +107,37 @@ def parse_args():
     ap.add_argument("--sdpa_backend", choices=["auto", "flash", "efficient", "cudnn"], default="auto",
                     help="auto: torch chooses (the recipe); else only this SDPA kernel")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--lora_rank", type=int, default=0,
+                    help="> 0: PEFT LoRA of this rank on every linear but the head ('all-linear', no dropout), the "
+                         "base frozen in bf16 (--param_dtype is then ignored), as train.py's --lora_rank")
+    ap.add_argument("--lora_alpha", type=float, default=0.0, help="0 = 2 x --lora_rank (train.py's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "reference_trl.json"))
     a = ap.parse_args()
     if a.steps < 1:
         fail("--steps must be >= 1")
+    if a.lora_rank < 0 or a.lora_alpha < 0:
+        fail("--lora_rank and --lora_alpha must be >= 0")
+    if a.lora_rank:
+        a.param_dtype = "bfloat16"  # the frozen base; the adapters are fp32 (PEFT's autocast_adapter_dtype)
     return a
 
 
-def import_extras():
+def import_extras(a):
     """The benchmark's extra packages, or one line saying how to get them."""
     try:
         import accelerate, datasets, numpy, torch, transformers, trl  # noqa: F401
         from accelerate import ParallelismConfig  # noqa: F401  (accelerate >= 1.10)
     except ImportError as e:
         fail(f"{e.name or e} is missing or too old: {INSTALL}")
+    if a.lora_rank and not importlib.util.find_spec("peft"):
+        fail("--lora_rank needs peft: pip install peft (a test-only requirement of this project)")
     import inspect
     if "offload" not in inspect.signature(transformers.PreTrainedModel.gradient_checkpointing_enable).parameters:
         fail(f"transformers {transformers.__version__} has no gradient checkpointing offload: "
              f"pip install transformers>=5.16 (written for 5.17.0)")
-    return {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "accelerate", "datasets")}
+    return {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "accelerate", "datasets", "peft")
+            if importlib.util.find_spec(m)}
 
 
 def hf_config(a, transformers):
@@ -220,7 +232,7 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub; the GPU machine has no network
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    versions = import_extras()
+    versions = import_extras(a)
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -273,7 +285,7 @@ def main():
         gradient_accumulation_steps=1, max_length=a.seq_len, packing=False, pad_to_multiple_of=2 * cp,
         # offload pins host memory, which needs a GPU (torch refuses pin_memory on a CPU-only machine)
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"offload": device == "cuda"},
-        bf16=a.param_dtype == "float32", logging_steps=1, save_strategy="no", eval_strategy="no",
+        bf16=a.param_dtype == "float32" or a.lora_rank > 0, logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", disable_tqdm=True, seed=a.seed, data_seed=a.seed, dataloader_num_workers=0,
         use_cpu=device == "cpu")
     if distributed:
@@ -297,7 +309,8 @@ def main():
         peaks = [s["peak_mem_gib"] for s in steps if s.get("peak_mem_gib") is not None]
         host = [s["host_pinned_peak_gib"] for s in steps if s.get("host_pinned_peak_gib") is not None]
         rec = dict(
-            what="TRL long-context recipe (SFTTrainer, FSDP2, accelerate CP, GC offload, YaRN, bf16, default loss)",
+            what="TRL long-context recipe (SFTTrainer, FSDP2, accelerate CP, GC offload, YaRN, bf16, default loss)"
+            + (f", PEFT LoRA r {a.lora_rank} all-linear" if a.lora_rank else ""), lora_rank=a.lora_rank,
             complete=complete, model=a.model, seq_len=a.seq_len, cp=cp, dp=dp, world=world, steps=a.steps,
             device=device, param_dtype=a.param_dtype, bf16_mixed_precision=args.bf16, fsdp2=distributed,
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs, loss_type=args.loss_type,
@@ -361,9 +374,17 @@ def main():
                 f"{s['step_time_s']:.2f} s{mem}{host} | {s['time_since_start_s']:.1f} s since start")
             write(complete=False)
 
+    peft_config = None
+    if a.lora_rank:
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha or 2 * a.lora_rank, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     t0 = time.time()
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tiny_tokenizer(cfg, transformers),
-                         callbacks=[Timing()])
+                         callbacks=[Timing()], peft_config=peft_config)
+    if a.lora_rank:
+        trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        log(f"PEFT LoRA r {a.lora_rank}, alpha {peft_config.lora_alpha}, all-linear: {trained / 1e6:.2f} M trained")
     trainer.remove_callback(transformers.PrinterCallback)  # its dict per step; Timing prints one line instead
     log(f"trainer ready in {time.time() - t0:.1f} s: world {world}, cp {cp}, dp {dp}, "
         f"{'FSDP2 + CP' if distributed and cp > 1 else 'FSDP2' if distributed else 'no FSDP'}, "

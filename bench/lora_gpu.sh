@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# LoRA, QLoRA and the retrieval test on one GPU: Qwen3-8B (random init), FA4, --fit auto, LoRA rank 16 on every
+# linear of attention and MLP. One stage per call; each run has its own timeout and its files land in OUT.
+#
+#   bash bench/lora_gpu.sh tests OUT       # the GPU tests (pytest -m gpu tests)
+#   bash bench/lora_gpu.sh 131k OUT        # LoRA and QLoRA at 131,072 tokens, 2 steps (the second is timed)
+#   bash bench/lora_gpu.sh retrieval OUT   # bench/retrieval_cost.py at 131,072 tokens
+#   bash bench/lora_gpu.sh longest80 OUT   # LoRA at 393,216 tokens planned for an 80 GB GPU (--gpu_mem_gib 74.5)
+#
+# FA4 on PYTHONPATH first (bench/fa4_wheels.sh); QLoRA needs torchao, the tests need peft (wheels, --no-deps).
+set -u
+STAGE=$1; OUT=$(mkdir -p "$2" && cd "$2" && pwd)
+MODEL=bench/configs/qwen3-8b
+COMMON="--model $MODEL --tokenizer byte --data synthetic --checkpoints false --resume none --overwrite true"
+
+clean_gpu() {  # a run cut by its timeout can leave workers holding the GPU
+    pkill -f "train.py" 2>/dev/null; sleep 2
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader >> "$OUT/nvidia_smi.txt"
+}
+
+run() {  # name timeout flags...: one train.py run, its log and metrics into OUT
+    local name=$1 limit=$2; shift 2
+    clean_gpu
+    timeout "$limit" python -m torch.distributed.run --standalone --nproc_per_node 1 train.py $COMMON \
+        --out_dir "/tmp/lora_gpu_$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name rc $?" >> "$OUT/rc.txt"
+    cp "/tmp/lora_gpu_$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+    grep -E "^(fit|plan|step|error)" "$OUT/$name.log" | tail -6
+}
+
+case "$STAGE" in
+tests)
+    timeout 420 python -m pytest -m gpu tests -q -x -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/rc.txt"; tail -15 "$OUT/gpu_tests.log"
+    ;;
+131k)
+    run lora_131k 280 --seq_len 131072 --max_steps 2 --lora_rank 16
+    run qlora_131k 280 --seq_len 131072 --max_steps 2 --lora_rank 16 --quantize nf4
+    ;;
+retrieval)
+    clean_gpu
+    timeout 400 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/retrieval_cost.py \
+        --model $MODEL --tokenizer byte --data synthetic --seq_len 131072 --out "$OUT/retrieval_cost_8b_131k.json" \
+        > "$OUT/retrieval_cost.log" 2>&1
+    echo "retrieval rc $?" >> "$OUT/rc.txt"; tail -3 "$OUT/retrieval_cost.log"
+    ;;
+longest80)
+    run lora_393k_80gb 570 --seq_len 393216 --max_steps 1 --lora_rank 16 --gpu_mem_gib 74.5
+    ;;
+*)
+    echo "usage: bash bench/lora_gpu.sh tests|131k|retrieval|longest80 OUT" >&2; exit 2 ;;
+esac

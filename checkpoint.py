@@ -32,12 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 import parallel
 
-import parallel
-
+# What a checkpoint holds of the model: what trains (with LoRA the adapters alone, megabytes; the frozen base is
+# read from --model again on resume), with its AdamW states
+STATE = StateDictOptions(ignore_frozen_params=True, strict=False)
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 SEGMENT = 128 * 2**20  # a file's CRC-32 is kept per segment: the segments are hashed by threads in parallel
 THREADS = 4            # zlib.crc32 releases the GIL: 1-2 GB/s per thread (bench/NOTES.md, checkpoint.py)

@@ -214,10 +214,10 @@ class WindowLoader:
 
     documents(start) must yield (row, item) from row `start` on; it is called again on resume. An item is a
     Document (tokenized(iter_books(...)), or chat.iter_documents) or a Skipped row, which is counted and written
-    out with `log` (default: stderr, on dp rank 0 only). A daemon thread reads ahead into a queue of `prefetch` windows. In training one
-    loader runs per data-parallel group, on the group's first rank (Batches); it tokenizes the whole stream,
-    every group's windows, and copies only its own: tokenizing is seconds per 1M-token window against minutes of
-    training.
+    out with `log` (default: stderr, on dp rank 0 only). A daemon thread reads ahead into a queue of `prefetch`
+    windows. In training one loader runs per data-parallel group, on the group's first rank (Batches); it
+    tokenizes the whole stream, every group's windows, and copies only its own: tokenizing is seconds per
+    1M-token window against minutes of training.
 
     A window is handed out only when its whole round of dp_size windows exists, so all ranks yield the same
     number of windows and stop together when finite data runs out (StopIteration). The state after a round is

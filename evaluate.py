@@ -10,16 +10,20 @@ windows of --eval_data's --eval_split: the same windows every time, so rows comp
 import math
 import os
 import resource
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+import checkpoint
+import config
 import data
 import fit
 import retrieval
 import rundir
-from survival import SharedError, on_rank0
+from survival import SharedError, from_rank0, on_rank0
 
 
 class PositionSums:
@@ -122,3 +126,41 @@ def evaluate(cfg, setup, make_batches, step: int, eval_log, log) -> dict:
         shape = fit.plan_shape(cfg, setup.mcfg, setup.mesh.size()) if cfg.device == "cuda" else None
         retrieval.run(cfg, setup, step, log, shape)
     return rec
+
+
+# What defines a checkpoint's weights: --eval_only on a run's folder takes them from the run's config
+WEIGHT_FLAGS = ("model", "tokenizer", "yarn_factor", "yarn_original_max_position_embeddings", "param_dtype",
+                "lora_rank", "lora_alpha", "lora_targets", "quantize")
+
+
+def evaluate_only(cfg, given: set, cp: int, world: int, device, log, build, make_batches) -> int:
+    """--eval_only true: evaluate once at --seq_len and add a row to out_dir/eval.jsonl. The weights are those of
+    the newest checkpoint in --out_dir that verifies (the row's step is its step; the model as the run defined
+    it), or, where --model is named or there is none, --model's (with --yarn_factor if given; step 0). The
+    model is sharded as for training; no optimizer, no training data. A run live in --out_dir is not disturbed:
+    its lock stops this launch. build, make_batches: train.py's (the model and the loader training uses)."""
+    named = "model" in given and cfg.model != config.PRESETS[cfg.config].get("model")  # a preset's own is not
+    lock = None
+
+    def find():  # rank 0: the lock of a run's folder, its checkpoints whose files are whole, the newest's config
+        nonlocal lock
+        lock = rundir.lock_if_run(cfg.out_dir)
+        paths = [] if named or not os.path.isdir(cfg.out_dir) else rundir.published(cfg.out_dir, log)
+        return paths, next((t["config"] for t in map(checkpoint.read_trainer, paths) if t), None)
+    paths, saved = from_rank0(on_rank0(find, device))
+    for k in WEIGHT_FLAGS if saved else ():
+        setattr(cfg, k, saved.get(k, getattr(cfg, k)))
+    setup = build(cfg, given, cp, world, device, log)
+    step, what = 0, cfg.model
+    if paths:
+        fp = rundir.fingerprint(setup.mcfg, setup.shapes, {}, data.tokenizer_spec(cfg.tokenizer, setup.model_path))
+        on_rank0(lambda: [rundir.check_fingerprint(p, {k: v for k, v in fp.items() if k != "data"}) for p in paths],
+                 device)
+        state = {"model": get_model_state_dict(setup.model, options=checkpoint.STATE)}
+        path, trainer = rundir.load_newest(paths, state, device, log, exc=SharedError)
+        set_model_state_dict(setup.model, state["model"], options=checkpoint.STATE)
+        step, what = trainer["step"], f"checkpoint {path} (step {trainer['step']}; --model NAME evaluates another)"
+    log(f"eval only: {what}, rope_scaling {setup.mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
+        f"{cfg.seq_len:,} tokens from {cfg.eval_data or cfg.data} ({cfg.eval_split})")
+    evaluate(cfg, setup, make_batches, step, open_eval_log(cfg, sys.maxsize, device), log)
+    return 0

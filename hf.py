@@ -19,6 +19,108 @@ from moe import Qwen3MoE, hf_expert_names
 HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 
 
+# --- config.json <-> Qwen3Config --------------------------------------------------------------
+
+def refuse_unsupported(d: dict):
+    """Stop on an HF config this trainer cannot train exactly: ring attention needs full causal attention
+    in every layer."""
+    where = d.get("_name_or_path", "config.json")
+    if d.get("model_type") not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"{where}: model_type {d.get('model_type')!r} is not supported; supported: 'qwen3' "
+                         "(Qwen3) and 'qwen3_moe' (Qwen3-MoE).")
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if d["model_type"] == "qwen3" and experts:
+        raise ValueError(f"{where}: num_experts in a 'qwen3' config, which transformers builds dense; a "
+                         "mixture-of-experts model says model_type 'qwen3_moe'.")
+    if d["model_type"] == "qwen3_moe" and experts is not None and not (
+            0 < d.get("num_experts_per_tok", 8) <= experts and d.get("decoder_sparse_step", 1) >= 1):
+        raise ValueError(f"{where}: a 'qwen3_moe' config needs num_experts >= num_experts_per_tok >= 1 and "
+                         "decoder_sparse_step >= 1 (with no experts, use a dense 'qwen3' config).")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full attention in every layer")
+    bad_layers = sorted({t for t in d.get("layer_types") or [] if t != "full_attention"})
+    if bad_layers:
+        raise ValueError(f"{where}: layer_types has {bad_layers}; only 'full_attention' layers are supported.")
+    if d.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias is true, which Qwen3 never uses; not supported.")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses 'silu').")
+
+
+def parse_rope(d: dict) -> tuple[float, dict | None]:
+    """-> (theta, YaRN scaling or None). Older configs say rope_theta + rope_scaling, newer ones
+    rope_parameters (with theta inside)."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"{d.get('_name_or_path', 'config.json')}: rope type {rope_type!r} is not supported; "
+                         "use 'default' or 'yarn'.")
+    if rope_type == "default":
+        return float(theta), None
+    scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "attention_factor",
+                                    "beta_fast", "beta_slow") if rope.get(k) is not None}
+    scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    return float(theta), scaling
+
+
+SAVED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "output_router_logits", "router_aux_loss_coef")
+
+
+def config_from_dict(d: dict) -> Qwen3Config:
+    """An HF Qwen3 or Qwen3-MoE config.json dict (either RoPE style) -> Qwen3Config."""
+    refuse_unsupported(d)
+    theta, scaling = parse_rope(d)
+    heads = d["num_attention_heads"]
+    moe = {}
+    if d["model_type"] == "qwen3_moe":  # transformers saves num_experts as num_local_experts; both are read
+        moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
+                   **{k: d[k] for k in MOE_FIELDS[1:] if d.get(k) is not None},
+                   mlp_only_layers=list(d.get("mlp_only_layers") or []))
+    return Qwen3Config(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                       intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                       num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+                       head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                       rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+                       tie_word_embeddings=d.get("tie_word_embeddings", False),
+                       max_position_embeddings=d.get("max_position_embeddings", 40960),
+                       initializer_range=d.get("initializer_range", 0.02), **moe, raw=dict(d))
+
+
+def read_config(path: str) -> Qwen3Config:
+    """The Qwen3Config of a local folder's config.json; errors say what to pass instead."""
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        raise FileNotFoundError(f"no config.json in {path!r}: pass a folder holding an HF Qwen3 checkpoint "
+                                "(or only its config.json, to train from random initialisation).")
+    try:
+        with open(f) as fh:
+            d = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON ({e})") from None
+    return config_from_dict(d)
+
+
+def config_to_dict(cfg: Qwen3Config) -> dict:
+    """config.json for a save: the fields read (cfg.raw), with the shape and the RoPE this run trained with."""
+    d = dict(cfg.raw)
+    d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **{k: getattr(cfg, k) for k in SAVED_FIELDS},
+             hidden_act="silu", attention_bias=False)
+    rope = {"rope_type": "yarn", **cfg.rope_scaling} if cfg.rope_scaling else {"rope_type": "default"}
+    if "rope_parameters" in d:  # keep the style the checkpoint came in
+        d["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
+    else:
+        d["rope_theta"], d["rope_scaling"] = cfg.rope_theta, (rope if cfg.rope_scaling else None)
+    if cfg.num_experts:
+        d.pop("num_local_experts", None)  # one name for it: the hub's
+        d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                 **{k: getattr(cfg, k) for k in MOE_FIELDS}, mlp_only_layers=list(cfg.mlp_only_layers))
+    return d
+
+
 def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
@@ -127,7 +229,7 @@ def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: i
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
             json.dump(index, fh, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump({**cfg.to_dict(), "torch_dtype": dtype, "dtype": dtype}, fh, indent=2)
+        json.dump({**config_to_dict(cfg), "torch_dtype": dtype, "dtype": dtype}, fh, indent=2)
 
 
 def from_pretrained(path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", attn_fn=causal_attention,
@@ -135,7 +237,7 @@ def from_pretrained(path_or_hub_id: str, dtype=torch.bfloat16, device="cpu", att
     """An HF Qwen3 (or Qwen3-MoE) folder or hub id -> the model in dtype on device; a folder with only a
     config.json gives weights drawn from `seed` (load_or_init_state_dict)."""
     path = local_folder(path_or_hub_id)
-    cfg = Qwen3Config.from_pretrained(path)
+    cfg = read_config(path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, attn_fn)
     sd = load_or_init_state_dict(path, cfg, list(model.state_dict()), dtype, seed, device)

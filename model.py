@@ -9,17 +9,15 @@
 The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
 (causal SDPA on one device, the ring of parallel.py under context parallelism); for a window of several documents,
 `attn_fn(q, k, v, doc_lens)`. Extensions: moe.py (Qwen3-MoE, a subclass of Qwen3 whose blocks take another MLP),
-hf.py (HF checkpoints: from_pretrained, save_pretrained).
+hf.py (HF checkpoints and config.json: read_config, from_pretrained, save_pretrained).
 
     python -c "from model import *; m = Qwen3(Qwen3Config.tiny()); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
     python -m pytest tests/test_model.py -q
 """
 import dataclasses
 import functools
-import json
 import math
 import mmap
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -31,55 +29,6 @@ from loss import addmm_fp32_, chunked_nll  # the tiled MLP's weight gradients sh
 # =============================================================================================
 # 1. The plain Qwen3
 # =============================================================================================
-
-
-def refuse_unsupported(d: dict):
-    """Stop on an HF config this trainer cannot train exactly: ring attention needs full causal attention
-    in every layer."""
-    where = d.get("_name_or_path", "config.json")
-    if d.get("model_type") not in ("qwen3", "qwen3_moe"):
-        raise ValueError(f"{where}: model_type {d.get('model_type')!r} is not supported; supported: 'qwen3' "
-                         "(Qwen3) and 'qwen3_moe' (Qwen3-MoE).")
-    experts = d.get("num_experts", d.get("num_local_experts"))
-    if d["model_type"] == "qwen3" and experts:
-        raise ValueError(f"{where}: num_experts in a 'qwen3' config, which transformers builds dense; a "
-                         "mixture-of-experts model says model_type 'qwen3_moe'.")
-    if d["model_type"] == "qwen3_moe" and experts is not None and not (
-            0 < d.get("num_experts_per_tok", 8) <= experts and d.get("decoder_sparse_step", 1) >= 1):
-        raise ValueError(f"{where}: a 'qwen3_moe' config needs num_experts >= num_experts_per_tok >= 1 and "
-                         "decoder_sparse_step >= 1 (with no experts, use a dense 'qwen3' config).")
-    if d.get("use_sliding_window"):
-        raise ValueError(f"{where}: use_sliding_window is true; ring attention needs full attention in every layer")
-    bad_layers = sorted({t for t in d.get("layer_types") or [] if t != "full_attention"})
-    if bad_layers:
-        raise ValueError(f"{where}: layer_types has {bad_layers}; only 'full_attention' layers are supported.")
-    if d.get("attention_bias"):
-        raise ValueError(f"{where}: attention_bias is true, which Qwen3 never uses; not supported.")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses 'silu').")
-
-
-def parse_rope(d: dict) -> tuple[float, dict | None]:
-    """-> (theta, YaRN scaling or None). Older configs say rope_theta + rope_scaling, newer ones
-    rope_parameters (with theta inside)."""
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise ValueError(f"{d.get('_name_or_path', 'config.json')}: rope type {rope_type!r} is not supported; "
-                         "use 'default' or 'yarn'.")
-    if rope_type == "default":
-        return float(theta), None
-    scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "attention_factor",
-                                    "beta_fast", "beta_slow") if rope.get(k) is not None}
-    scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-    return float(theta), scaling
-
-
-SAVED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-              "output_router_logits", "router_aux_loss_coef")
 
 
 @dataclass
@@ -111,45 +60,11 @@ class Qwen3Config:
     raw: dict = field(default_factory=dict, repr=False)  # the config.json as read, written back on save
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Qwen3Config":
-        """An HF Qwen3 config.json dict (either RoPE style) -> Qwen3Config."""
-        refuse_unsupported(d)
-        theta, scaling = parse_rope(d)
-        heads = d["num_attention_heads"]
-        moe = {}
-        if d["model_type"] == "qwen3_moe":  # transformers saves num_experts as num_local_experts; both are read
-            moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
-                       **{k: d[k] for k in MOE_FIELDS[1:] if d.get(k) is not None},
-                       mlp_only_layers=list(d.get("mlp_only_layers") or []))
-        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                   intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-                   num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-                   head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                   rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
-                   max_position_embeddings=d.get("max_position_embeddings", 40960),
-                   initializer_range=d.get("initializer_range", 0.02), **moe, raw=dict(d))
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "Qwen3Config":
-        f = os.path.join(path, "config.json")
-        if not os.path.isfile(f):
-            raise FileNotFoundError(f"no config.json in {path!r}: pass a folder holding an HF Qwen3 checkpoint "
-                                    "(or only its config.json, to train from random initialisation).")
-        try:
-            with open(f) as fh:
-                d = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f} is not valid JSON ({e})") from None
-        return cls.from_dict(d)
-
-    @classmethod
     def tiny(cls, **kw) -> "Qwen3Config":
-        """A small random Qwen3 for the demo and tests (vocab 257 = bytes + end-of-text)."""
-        d = dict(model_type="qwen3", vocab_size=257, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-                 max_position_embeddings=4096, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
-        d.update(kw)
-        return cls.from_dict(d)
+        """A small random Qwen3 for the demo and tests (vocab 257 = bytes + end-of-text); kw: fields changed."""
+        return dataclasses.replace(cls(vocab_size=257, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                                       max_position_embeddings=4096), **kw)
 
     def sparse(self, layer: int) -> bool:
         """Is this layer a mixture of experts? Exactly as transformers' Qwen3MoeDecoderLayer decides."""
@@ -166,23 +81,6 @@ class Qwen3Config:
         original = int(original_max_position_embeddings)
         return dataclasses.replace(self, max_position_embeddings=round(factor * original), rope_scaling={
             "factor": float(factor), "original_max_position_embeddings": original, **keep})
-
-    def to_dict(self) -> dict:
-        """config.json for save_pretrained: the original fields, with the RoPE this run trained with."""
-        d = dict(self.raw)
-        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **{k: getattr(self, k) for k in SAVED_FIELDS},
-                 hidden_act="silu", attention_bias=False)
-        rope = {"rope_type": "yarn", **self.rope_scaling} if self.rope_scaling else {"rope_type": "default"}
-        if "rope_parameters" in d:  # keep the style the checkpoint came in
-            d["rope_parameters"] = {**rope, "rope_theta": self.rope_theta}
-        else:
-            d["rope_theta"], d["rope_scaling"] = self.rope_theta, (rope if self.rope_scaling else None)
-        if self.num_experts:
-            d.pop("num_local_experts", None)  # one name for it: the hub's
-            d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                     **{k: getattr(self, k) for k in MOE_FIELDS}, mlp_only_layers=list(self.mlp_only_layers))
-        return d
-
 
 # --- RoPE (default and YaRN, arXiv:2309.00071) -------------------------------------------------
 

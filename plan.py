@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from documents import document_area, parse_doc_lens
+import hf
 from model import Qwen3Config, pinned_size
 
 
@@ -325,9 +326,9 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
            k: Constants = FITTED) -> tuple[Levers, Cost]:
     """The levers predicted to fit within GPU_MARGIN of gpu_gib per rank and HOST_MARGIN of the node's host
     memory (shared by ranks_per_node ranks): among the plans within TIME_SLACK of the fastest, the one with the
-    lowest GPU peak, then the fastest, then the least pinned host memory. Headroom that costs no time is taken: a run near the
-    GPU's limit is exposed to fragmentation and to anything else on the card. `fixed` holds the levers the user
-    set, which win.
+    lowest GPU peak, then the fastest, then the least pinned host memory. Headroom that costs no time is taken: a
+    run near the GPU's limit is exposed to fragmentation and to anything else on the card. `fixed` holds the
+    levers the user set, which win.
 
     Time depends only on how many blocks keep attention, so the fastest plans keep the most; offloading more
     blocks lowers the peak until the gradients, not the kept tensors, set it (gpu_bytes)."""
@@ -421,7 +422,7 @@ if __name__ == "__main__":
     ap.add_argument("--quantize", default="", choices=["", "nf4"], help="with --lora_rank: the frozen base in NF4")
     a = ap.parse_args()
     world = a.nproc * a.nodes
-    s = Shape.of(Qwen3Config.from_pretrained(a.model), a.seq_len, a.cp or world, world, a.nproc,
+    s = Shape.of(hf.read_config(a.model), a.seq_len, a.cp or world, world, a.nproc,
                  param_bytes=4 if a.param_dtype == "float32" else 2, attn_backend=a.attn_backend,
                  stochastic_rounding=a.stochastic_rounding == "true")
     if a.lora_rank:

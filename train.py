@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.rendezvous import rendezvous
 
@@ -52,7 +52,7 @@ import plan
 import rundir
 from config import TrainConfig
 from export import all_finite, export_hf
-from evaluate import PositionSums, eval_due, evaluate, open_eval_log, peak_memory
+from evaluate import PositionSums, eval_due, evaluate, evaluate_only, open_eval_log, peak_memory
 from model import Qwen3, Qwen3Config
 from profiling import profiled
 from survival import (EXIT_PREEMPTED, QUIET_EXIT_S, Log, SharedError, StopRequest, Watchdog, from_rank0, on_rank0,
@@ -135,7 +135,7 @@ def model_folder(spec: str) -> str:
 def model_config(cfg: TrainConfig) -> tuple[str | None, Qwen3Config]:
     """--model's local folder (None for "tiny") and its config, with --yarn_factor applied."""
     path = None if cfg.model == "tiny" else model_folder(cfg.model)
-    mcfg = Qwen3Config.tiny() if path is None else Qwen3Config.from_pretrained(path)
+    mcfg = Qwen3Config.tiny() if path is None else hf.read_config(path)
     if cfg.yarn_factor:
         mcfg = mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
     return path, mcfg
@@ -364,7 +364,7 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, device, log, l
     fp = rundir.fingerprint(setup.mcfg, setup.shapes, data_fp, data.tokenizer_spec(cfg.tokenizer, setup.model_path))
     candidates = from_rank0(on_rank0(lambda: rundir.resume_candidates(cfg.out_dir, cfg.resume, cfg.overwrite, fp,
                                                                       log), device))
-    model_sd, optim_sd = get_state_dict(setup.model, opt, options=CHECKPOINT_STATE)
+    model_sd, optim_sd = get_state_dict(setup.model, opt, options=checkpoint.STATE)
     state = {"model": model_sd, "optim": optim_sd}
     done, anchor, changes = 0, None, {}
     if candidates:
@@ -373,7 +373,7 @@ def _start_run(cfg: TrainConfig, given: set, cp: int, world: int, device, log, l
                                                move_aside=cfg.resume == "auto")
         changes = resume_changes(cfg, meta["config"])
         set_state_dict(setup.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=CHECKPOINT_STATE)
+                       options=checkpoint.STATE)
         batches.load_state_dict(meta["data"])
         done = meta["step"]
         anchor = schedule_anchor(cfg, meta["config"], meta.get("lr_anchor"), done)
@@ -410,7 +410,7 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
     log(f"world {world} = data parallel {world // cp} x context parallel {cp}; {cfg.seq_len // cp:,} tokens per rank")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if cfg.eval_only:
-        return evaluate_only(cfg, given, cp, world, device, log)
+        return evaluate_only(cfg, given, cp, world, device, log, build, make_batches)
     run = start_run(cfg, given, cp, world, device, log)
     setup = run.setup
     if run.done >= cfg.max_steps:
@@ -474,44 +474,6 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
     run.batches.close()
     if cfg.save_dir:
         export_hf(cfg, setup, log)
-    return 0
-
-
-# What defines a checkpoint's weights: --eval_only on a run's folder takes them from the run's config
-WEIGHT_FLAGS = ("model", "tokenizer", "yarn_factor", "yarn_original_max_position_embeddings", "param_dtype",
-                "lora_rank", "lora_alpha", "lora_targets", "quantize")
-
-
-def evaluate_only(cfg: TrainConfig, given: set, cp: int, world: int, device, log) -> int:
-    """--eval_only true: evaluate once at --seq_len and add a row to out_dir/eval.jsonl. The weights are those of
-    the newest checkpoint in --out_dir that verifies (the row's step is its step; the model as the run defined
-    it), or, where --model is named or there is none, --model's (with --yarn_factor if given; step 0). The
-    model is sharded as for training; no optimizer, no training data. A run live in --out_dir is not disturbed:
-    its lock stops this launch."""
-    named = "model" in given and cfg.model != config.PRESETS[cfg.config].get("model")  # a preset's own is not
-    lock = None
-
-    def find():  # rank 0: the lock of a run's folder, its checkpoints whose files are whole, the newest's config
-        nonlocal lock
-        lock = rundir.lock_if_run(cfg.out_dir)
-        paths = [] if named or not os.path.isdir(cfg.out_dir) else rundir.published(cfg.out_dir, log)
-        return paths, next((t["config"] for t in map(checkpoint.read_trainer, paths) if t), None)
-    paths, saved = from_rank0(on_rank0(find, device))
-    for k in WEIGHT_FLAGS if saved else ():
-        setattr(cfg, k, saved.get(k, getattr(cfg, k)))
-    setup = build(cfg, given, cp, world, device, log)
-    step, what = 0, cfg.model
-    if paths:
-        fp = rundir.fingerprint(setup.mcfg, setup.shapes, {}, data.tokenizer_spec(cfg.tokenizer, setup.model_path))
-        on_rank0(lambda: [rundir.check_fingerprint(p, {k: v for k, v in fp.items() if k != "data"}) for p in paths],
-                 device)
-        state = {"model": get_model_state_dict(setup.model, options=CHECKPOINT_STATE)}
-        path, trainer = rundir.load_newest(paths, state, device, log, exc=SharedError)
-        set_model_state_dict(setup.model, state["model"], options=CHECKPOINT_STATE)
-        step, what = trainer["step"], f"checkpoint {path} (step {trainer['step']}; --model NAME evaluates another)"
-    log(f"eval only: {what}, rope_scaling {setup.mcfg.rope_scaling}, {cfg.eval_sequences} sequence(s) of "
-        f"{cfg.seq_len:,} tokens from {cfg.eval_data or cfg.data} ({cfg.eval_split})")
-    evaluate(cfg, setup, make_batches, step, open_eval_log(cfg, sys.maxsize, device), log)
     return 0
 
 
@@ -581,7 +543,8 @@ def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, eta
     why = "nothing to train on in these windows" if not n_trained else "non-finite loss or grad norm"
     log(f"step {step:4d}/{cfg.max_steps} [{eta}] | loss {loss:.4f} | "
         + (f"aux loss {aux_loss:.4f} | " if aux_loss is not None else "")
-        + f"grad norm {grad_norm:.3f} | lr {lr:.2e} | {rec['tokens_per_s']:,.0f} tok/s | " + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
+        + f"grad norm {grad_norm:.3f} | lr {lr:.2e} | {rec['tokens_per_s']:,.0f} tok/s | "
+        + (f"MFU {rec['mfu']:.1%} | " if rec["mfu"] is not None else "")
         + f"{dt:.2f} s | peak mem {rec['peak_mem_gib']:.1f} GiB"
         + (f" | {rec['docs']:.0f} docs, {rec['pad_share']:.1%} padding, {rec['untrained_share']:.1%} untrained"
            if "docs" in rec else "")
@@ -594,18 +557,13 @@ def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, eta
 # Saving: checkpoints (the HF export is export.py's)
 # ---------------------------------------------------------------------------------------------
 
-# A checkpoint holds what trains and its AdamW states: with LoRA the adapters alone (megabytes); the frozen base
-# is read from --model again on resume
-CHECKPOINT_STATE = StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
 def save_checkpoint(cfg: TrainConfig, run: Run, step: int, log):
     """A checkpoint of step `step` in out_dir/checkpoints (checkpoint.save), never of non-finite weights."""
     if not all_finite(run.setup.model):
         raise SharedError(f"error: the weights hold non-finite values at step {step}; not saving them. The newest "
                           "checkpoint in out_dir is the last good state")
     t0 = time.time()
-    model_sd, optim_sd = get_state_dict(run.setup.model, run.opt, options=CHECKPOINT_STATE)
+    model_sd, optim_sd = get_state_dict(run.setup.model, run.opt, options=checkpoint.STATE)
     root = os.path.join(cfg.out_dir, "checkpoints")
     checkpoint.save(root, step, {"model": model_sd, "optim": optim_sd},
                     {"step": step, "data": run.batches.state_dict(), "config": dataclasses.asdict(cfg),

@@ -21,6 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
+import hf  # noqa: E402
 from model import Qwen3, Qwen3Config  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def qwen3_8b_state(param_dtype) -> dict:
     """The state save() is given for Qwen3-8B, as meta tensors: weights and AdamW's moments in param_dtype, a
     float32 step per parameter."""
     with torch.device("meta"):
-        model = Qwen3(Qwen3Config.from_pretrained(os.path.join(ROOT, "bench/configs/qwen3-8b"))).to(param_dtype)
+        model = Qwen3(hf.read_config(os.path.join(ROOT, "bench/configs/qwen3-8b"))).to(param_dtype)
     params = dict(model.named_parameters())
     optim = {n: {"step": torch.zeros((), device="meta"), "exp_avg": torch.empty_like(p),
                  "exp_avg_sq": torch.empty_like(p)} for n, p in params.items()}

@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import documents  # noqa: E402
+import hf  # noqa: E402
 import kernels  # noqa: E402
 import parallel  # noqa: E402
 import plan  # noqa: E402
@@ -124,7 +125,7 @@ def predicted(a, r):
     """plan.step_seconds for the levers the run chose and its windows' attn_area (mean over the timed steps)."""
     if r.get("levers") is None:
         return None
-    mcfg = plan.Qwen3Config.from_pretrained(os.path.join(ROOT, "bench", "configs", a.model))
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", a.model))
     s = plan.Shape.of(mcfg, a.seq_len, a.nproc, a.nproc, a.nproc, attn_backend=kernels.resolve_backend())
     s = plan.replace(s, attn_area=statistics.mean(r["attn_area"]))
     return plan.step_seconds(s, plan.Levers(*r["levers"]))

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import plan  # noqa: E402
-from model import Qwen3Config  # noqa: E402
+import hf  # noqa: E402
 
 FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json",
              "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json", "plan_check_moe.json")
@@ -49,7 +49,7 @@ def measured_runs(files, root=os.path.join(ROOT, "bench")):
             if "error" in r or r.get("doc_attention") == "simple":  # the model times the balanced path only
                 continue
             r = {**common, **dict(zip(("offload_layers", "keep_attention_layers"), r.get("levers") or ())), **r}
-            mcfg = Qwen3Config.from_pretrained(os.path.join(root, "configs", r["model"]))
+            mcfg = hf.read_config(os.path.join(root, "configs", r["model"]))
             extra = r.get("extra", "")
             fp32 = "float32" in extra or r.get("param_dtype") == "float32"
             backend = r.get("backend") or ("fa4" if "--attn_backend fa4" in extra else "cudnn")

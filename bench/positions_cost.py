@@ -109,8 +109,9 @@ def main():
     ap.add_argument("--work", default="/tmp/positions_cost")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "positions_cost.json"))
     args = ap.parse_args()
+    import hf
     from model import Qwen3Config
-    mcfg = Qwen3Config.tiny() if args.model == "tiny" else Qwen3Config.from_pretrained(
+    mcfg = Qwen3Config.tiny() if args.model == "tiny" else hf.read_config(
         os.path.join(ROOT, "bench", "configs", args.model))
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32

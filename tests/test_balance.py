@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import documents
+import hf
 import parallel
 import plan
 from documents import balanced_layout, chunk_areas, cp_layout, document_area, parse_doc_lens
@@ -112,7 +113,7 @@ def test_document_area_in_the_cost_model():
     whole = sum(n * (n + 1) for n in doc_lens) / (t * (t + 1))  # the mask's share of the triangle
     assert whole <= document_area(doc_lens, 4) <= whole * (1 + documents.BALANCE_TOLERANCE)
     assert document_area(doc_lens, 4, balanced=False) > document_area(doc_lens, 4)
-    s = plan.Shape.of(plan.Qwen3Config.from_pretrained("bench/configs/qwen3-1.7b"), t, 2, 2, 2, attn_backend="fa4")
+    s = plan.Shape.of(hf.read_config("bench/configs/qwen3-1.7b"), t, 2, 2, 2, attn_backend="fa4")
     lv = plan.Levers(0, 0)
     quarter = plan.replace(s, attn_area=0.25)
     attn = plan.attention_flops(s, lv) / (plan.FITTED.attn_tflops["fa4"] * 1e12)

@@ -19,6 +19,7 @@ import transformers  # a test dependency: the independent reference
 
 import chat
 import data
+import hf
 import packing
 from hf import load_or_init_state_dict, save_pretrained
 from model import Qwen3, Qwen3Config
@@ -40,7 +41,7 @@ def setup(tmp_path_factory):
     tok = data.load_tokenizer(str(folder))
     mcfg = Qwen3Config.tiny(vocab_size=512)
     assert tok.vocab_size <= mcfg.vocab_size
-    (folder / "config.json").write_text(json.dumps(mcfg.to_dict()))
+    (folder / "config.json").write_text(json.dumps(hf.config_to_dict(mcfg)))
     lecture = [{"role": "user", "content": "Tell me about the weather in Paris and in Rome. " * 8},  # > 66 tokens
                {"role": "assistant", "content": "Sunny."}]
     rows = [{"messages": CHATS["plain"][0]}, {"messages": lecture},

@@ -32,11 +32,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def moe_cfg(**kw):
     """3 layers, the middle one dense (mlp_only_layers); 5 heads over 1 KV head; vocab 97."""
-    d = dict(model_type="qwen3_moe", vocab_size=97, hidden_size=40, intermediate_size=72, moe_intermediate_size=24,
+    d = dict(vocab_size=97, hidden_size=40, intermediate_size=72, moe_intermediate_size=24,
              num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1, head_dim=8, rope_theta=10000.0,
              num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
     d.update(kw)
-    return Qwen3Config.tiny(**d)
+    return H.config_from_dict({"model_type": "qwen3_moe", **d})
 
 
 def random_moe(cfg, dtype=torch.float32, seed=0):
@@ -124,7 +124,7 @@ def test_router_matches_transformers_ties_included():
     """route() against Qwen3MoeTopKRouter: the same experts, weights and dtype, where two experts' router rows
     are equal (an exact tie) and where a row of probabilities is uniform."""
     cfg = moe_cfg(num_experts=6, num_experts_per_tok=3)
-    hf_cfg = transformers.Qwen3MoeConfig(**cfg.to_dict())
+    hf_cfg = transformers.Qwen3MoeConfig(**H.config_to_dict(cfg))
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(6, 40, generator=gen)
     w[4] = w[1]  # experts 1 and 4 always tie
@@ -144,7 +144,7 @@ def test_router_matches_transformers_ties_included():
 @pytest.mark.parametrize("step,only", [(1, []), (1, [0, 3]), (2, []), (3, [2]), (1, [0, 1, 2, 3, 4])])
 def test_sparse_layers_as_transformers_decides(step, only):
     cfg = moe_cfg(num_hidden_layers=5, decoder_sparse_step=step, mlp_only_layers=only)
-    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.to_dict()))
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**H.config_to_dict(cfg)))
     ours = Qwen3MoE(cfg)
     want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
     assert [cfg.sparse(i) for i in range(5)] == want
@@ -158,18 +158,18 @@ def test_config_round_trips_through_transformers(tmp_path):
                   mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.02)
     fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
               "mlp_only_layers", "output_router_logits", "router_aux_loss_coef")
-    d = cfg.to_dict()
+    d = H.config_to_dict(cfg)
     assert d["model_type"] == "qwen3_moe" and d["architectures"] == ["Qwen3MoeForCausalLM"]
     hf_cfg = transformers.Qwen3MoeConfig(**d)
     hf_cfg.save_pretrained(str(tmp_path))
     saved = json.loads((tmp_path / "config.json").read_text())
     assert "num_local_experts" in saved  # transformers' own spelling: read as num_experts
-    again = Qwen3Config.from_pretrained(str(tmp_path))
+    again = H.read_config(str(tmp_path))
     for f in fields:
         assert getattr(again, f) == getattr(cfg, f) == getattr(hf_cfg, f), f
-    assert "num_local_experts" not in again.to_dict() and again.to_dict()["num_experts"] == 5
+    assert "num_local_experts" not in H.config_to_dict(again) and H.config_to_dict(again)["num_experts"] == 5
     dense = Qwen3Config.tiny()
-    assert dense.num_experts == 0 and dense.to_dict()["model_type"] == "qwen3" and "num_experts" not in dense.to_dict()
+    assert dense.num_experts == 0 and H.config_to_dict(dense)["model_type"] == "qwen3" and "num_experts" not in H.config_to_dict(dense)
     with pytest.raises(ValueError, match="num_experts >= num_experts_per_tok"):
         moe_cfg(num_experts=2, num_experts_per_tok=3)
 
@@ -189,7 +189,7 @@ def test_transformers_checkpoint_loads_in_ours(tmp_path):
     the same logits; saved again by us, the same tensors under the same names, bit for bit."""
     cfg = moe_cfg(num_experts=5, num_experts_per_tok=2, norm_topk_prob=False)
     torch.manual_seed(0)
-    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.to_dict()))
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**H.config_to_dict(cfg)))
     hf.save_pretrained(str(tmp_path / "hf"))
     m = H.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     assert isinstance(m, Qwen3MoE)
@@ -396,7 +396,7 @@ def test_plan_counts_parameters_and_the_matmuls_that_run():
         m.logits(torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(0)))
     matmuls = sum(n for op, n in fc.get_flop_counts()["Global"].items() if "attention" not in str(op))
     assert matmuls == 2 * plan.matmul_params(s) * T, (matmuls, 2 * plan.matmul_params(s) * T)
-    big = plan.Shape.of(Qwen3Config.from_pretrained(os.path.join(ROOT, "bench/configs/qwen3-30b-a3b")), 1, 1, 1, 1)
+    big = plan.Shape.of(H.read_config(os.path.join(ROOT, "bench/configs/qwen3-30b-a3b")), 1, 1, 1, 1)
     assert round(big.params / 1e9, 1) == 30.5 and 3.3e9 <= big.active_params < 3.4e9  # "3.3B activated"
 
 
@@ -412,7 +412,7 @@ def test_train_py_runs_a_moe_config_at_cp_1_and_2(tmp_path):
     cfg = moe_cfg(vocab_size=257, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                   mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.1, initializer_range=0.1)
-    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (folder / "config.json").write_text(json.dumps(H.config_to_dict(cfg)))
     cp1 = run(tmp_path, 1, "--model", str(folder), "--cp", "1")
     cp2 = run(tmp_path, 2, "--model", str(folder), "--cp", "2", "--mlp_tile", "50", "--tiled_mlp", "true")
     same_steps(cp1, cp2)

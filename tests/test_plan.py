@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import hf
 import plan
 from model import Qwen3, Qwen3Config, pinned_size
 
@@ -23,7 +24,7 @@ GB = 1e9 / 2**30  # GiB per GB
 
 
 def shape(name="qwen3-8b", seq_len=1_048_576, cp=8, world=8, per_node=8, param_bytes=4):
-    mcfg = Qwen3Config.from_pretrained(os.path.join(ROOT, "bench", "configs", name))
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", name))
     return plan.Shape.of(mcfg, seq_len, cp, world, per_node, param_bytes=param_bytes)
 
 
@@ -256,7 +257,7 @@ def test_plan_check_puts_the_prediction_beside_the_run(tmp_path):
     planner's, the measurements the run's; a second run of the same configuration replaces the first."""
     folder = tmp_path / "tiny"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(Qwen3Config.tiny().to_dict()))
+    (folder / "config.json").write_text(json.dumps(hf.config_to_dict(Qwen3Config.tiny())))
     gpu = 1.0
     cmd = [sys.executable, os.path.join(ROOT, "bench", "plan_check.py"), "--nproc", "1", "--model", str(folder),
            "--seq_len", "2048", "--steps", "2", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "pc.json"),
@@ -280,7 +281,7 @@ def test_lora_counts_are_the_models():
     """The adapters plan.py counts are those lora.apply makes (Qwen3-8B, all seven projections at rank 16: the
     43,646,976 PEFT reports for it; q and v alone), and the NF4 share is every block projection."""
     import lora
-    mcfg = Qwen3Config.from_pretrained(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
     for targets in (lora.TARGETS, ("q_proj", "v_proj")):
         with torch.device("meta"):
             m = lora.apply(Qwen3(mcfg), 16, targets=targets)

@@ -267,7 +267,7 @@ def test_picture_is_skipped_without_matplotlib(monkeypatch, tmp_path):
 
 def test_predicted_time_is_a_third_of_a_step():
     """A forward costs about a third of a step that recomputes nothing (Qwen3-8B, 1M tokens, cp 8)."""
-    mcfg = Qwen3Config.from_pretrained(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
+    mcfg = H.read_config(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
     s = plan.Shape.of(mcfg, 1 << 20, 8, 8, 8)
     step = plan.step_seconds(s, plan.Levers(0, s.layers))
     assert 2.8 < step / plan.forward_seconds(s) < 4.0

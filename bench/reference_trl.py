@@ -47,6 +47,9 @@ Written against trl 1.16.0, transformers 5.17.0 and accelerate 1.15.0. Run on 2 
         --seq_len 262144 --cp 2 --steps 3 --out bench/results/reference_trl_8b_262k.json
     torchrun --standalone --nproc_per_node 2 train.py --model bench/configs/qwen3-8b --seq_len 262144 --cp 2 \\
         --tokenizer byte --data synthetic --max_steps 3 --checkpoints false --out_dir /tmp/ours_8b_262k
+    # one H200, PEFT LoRA r 16 on every linear beside train.py's --lora_rank 16 (bench/RESULTS.md, LoRA):
+    python bench/reference_trl.py --model bench/configs/qwen3-8b --seq_len 131072 --cp 1 --steps 2 --lora_rank 16 \\
+        --out bench/results/reference_trl_peft_8b_131k.json
     # the wiring on a CPU (no FSDP2, no CP: both need CUDA), a 2-layer Qwen3 of hidden 64:
     python bench/reference_trl.py --model tiny --seq_len 256 --cp 1 --steps 2 --device cpu --out /tmp/ref_tiny.json
 

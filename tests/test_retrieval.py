@@ -191,6 +191,8 @@ def test_keys_never_occur_in_the_haystack():
     rng = np.random.default_rng(7)
     rng.choice(len(R.NAMES), 2, replace=False), rng.permutation(2)
     planted = R.draw_keys(rng, 2, "")
+    clean = R.build_window(TOK, iter(sentence_iter()), 1000, [0.2, 0.8], np.random.default_rng(7))
+    assert [n.key for n in clean.needles] == planted  # what the window draws when its filler holds no digits
     pool = [(TOK.encode(f" the number {k} is here"), f"the number {k} is here") for k in planted] + sentence_iter()
     w = R.build_window(TOK, iter(pool), 1000, [0.2, 0.8], np.random.default_rng(7))
     assert not set(planted) & {n.key for n in w.needles}

@@ -534,7 +534,8 @@ def log_step(cfg, run: Run, step, loss, by_position, grad_norm, applied, dt, eta
         rec["aux_loss"] = aux_loss
     if batch[0].doc_lens is not None:  # packed documents: what the windows held
         cp, balanced = run.setup.mesh.get_group("cp").size(), cfg.doc_attention == "balanced"
-        rec.update(docs=sum(len(m.doc_lens) for m in batch) / len(batch), pad_share=n_pad / run.n_pairs,
+        rec.update(docs=sum(len(m.doc_lens) - (m.pad > 0) for m in batch) / len(batch),  # padding is no document
+                   pad_share=n_pad / run.n_pairs,
                    untrained_share=1 - (n_trained + n_pad) / run.n_pairs,
                    # the busiest rank's attention over a full causal window's: what plan.py times
                    attn_area=sum(documents.document_area(m.doc_lens, cp, balanced) for m in batch) / len(batch))

@@ -121,6 +121,14 @@ def test_assistant_only_loss_false_trains_every_token(setup, tmp_path):
     assert got[0]["untrained_share"] == 0.0
 
 
+def test_padding_is_not_counted_as_a_document(setup, tmp_path):
+    """One short row: the window is that document and padding; metrics.jsonl's docs counts the document alone."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "The weather is", "completion": " sunny."}) + "\n")
+    got, _ = train(tmp_path, setup, 1, "--max_steps", "1", "--packing", "docs", data_path=path)
+    assert got[0]["pad_share"] > 0.5 and got[0]["docs"] == 1, got[0]
+
+
 def test_skipped_rows_are_counted_in_the_metrics(setup, tmp_path):
     """A bad row is counted in metrics.jsonl's skipped_rows, in a stream of text (concat) as among documents."""
     path = tmp_path / "books.jsonl"

@@ -81,12 +81,14 @@ def open_eval_log(cfg, done: int, device) -> "rundir.JsonlLog | None":
     return on_rank0(open_log, device)
 
 
-def evaluate(cfg, setup, make_batches, step: int, eval_log, log) -> dict:
+def evaluate(cfg, setup, make_batches, step: int, eval_log, log, hold: bool = False) -> tuple[dict, dict | None]:
     """The loss on the first --eval_sequences windows of --eval_data's --eval_split, overall and over
     --loss_buckets spans of position. setup: train.Setup (mesh, model, mcfg, device); make_batches: train's
     (cfg, setup, source, split, grad_accum) -> data.Batches, the loader training reads through. No block is
     recomputed or offloaded, as nothing is kept for a backward. Windows are dealt round-robin to the data-parallel
-    groups, so their count rounds up to a multiple of data parallel. -> the row written to out_dir/eval.jsonl."""
+    groups, so their count rounds up to a multiple of data parallel. -> (the row of out_dir/eval.jsonl, the
+    retrieval test's row or None). hold: write neither (the evaluation before step 1: a failed start writes
+    nothing; train.py writes both once step 1 is done)."""
     t0, dp = time.time(), setup.mesh.size(0)
     source = cfg.eval_data or cfg.data
     batches = make_batches(cfg, setup, source, cfg.eval_split, 1)
@@ -120,12 +122,13 @@ def evaluate(cfg, setup, make_batches, step: int, eval_log, log) -> dict:
     log(f"eval {step:4d} | loss {rec['loss']:.4f} on {sequences} x {cfg.seq_len:,} tokens | by position: "
         + " ".join("-" if x is None else f"{x:.2f}" for x in by_position) + f" | {rec['eval_time_s']:.1f} s"
         + (f" | peak mem {rec['peak_mem_gib']:.1f} GiB" if peak is not None else ""))
-    if eval_log:
+    if eval_log and not hold:
         eval_log.write(rec)
+    needles = None
     if cfg.retrieval:  # the needle test at the same step (retrieval.py)
         shape = fit.plan_shape(cfg, setup.mcfg, setup.mesh.size()) if cfg.device == "cuda" else None
-        retrieval.run(cfg, setup, step, log, shape)
-    return rec
+        needles = retrieval.run(cfg, setup, step, log, shape, write=not hold)
+    return rec, needles
 
 
 # What defines a checkpoint's weights: --eval_only on a run's folder takes them from the run's config

@@ -434,11 +434,12 @@ def share(windows, device) -> list[Window]:
     return [dataclasses.replace(w, ids=t) for w, t in zip(meta[0], parts)]
 
 
-def run(cfg, s, step: int, log, shape=None) -> dict | None:
+def run(cfg, s, step: int, log, shape=None, write: bool = True) -> dict | None:
     """The test at train.py's evaluation (--retrieval true): the windows built on rank 0 from --retrieval_data
     (default: the evaluation's books) and shared, scored by s.model under the ring, then on rank 0 a row in
-    out_dir/retrieval.jsonl, the picture out_dir/retrieval.png and one log line. shape: plan.Shape of the run,
-    for the predicted time (None: none predicted). -> the row on rank 0, None elsewhere."""
+    out_dir/retrieval.jsonl, the picture out_dir/retrieval.png (write_files; write=False leaves them to the
+    caller) and one log line. shape: plan.Shape of the run, for the predicted time (None: none predicted). -> the
+    row on rank 0, None elsewhere."""
     t0, rank = time.time(), dist.get_rank()
     source = cfg.retrieval_data or cfg.eval_data or cfg.data
     grid = parse_grid(cfg.retrieval_lengths, cfg.retrieval_depths, cfg.retrieval_keys, cfg.retrieval_needles,
@@ -465,16 +466,23 @@ def run(cfg, s, step: int, log, shape=None) -> dict | None:
                chat=chat, windows=len(windows), time_s=time.time() - t0,
                predicted_s=forward_seconds(shape, windows, s.mesh.size(0)) if shape is not None else None,
                by_length=by_length(cs), cells=cs)
+    log(summary(step, row))
+    if write:
+        write_files(cfg, row, log)
+    return row
+
+
+def write_files(cfg, row: dict, log):
+    """Rank 0: the row into out_dir/retrieval.jsonl and its picture into out_dir/retrieval.png."""
+    step = row["step"]
     os.makedirs(cfg.out_dir, exist_ok=True)
     # rows of later steps go, as in metrics.jsonl, when a resumed run evaluates again; --eval_only adds its row
     rows = rundir.JsonlLog(os.path.join(cfg.out_dir, "retrieval.jsonl"), sys.maxsize if cfg.eval_only else step - 1)
     rows.write(row)
     rows.file.close()
-    log(summary(step, row))
-    name = f"step {step}, rope_scaling {s.mcfg.rope_scaling}"
-    if plot([(name, cs)], os.path.join(cfg.out_dir, "retrieval.png")) is None:
+    name = f"step {step}, rope_scaling {row['rope_scaling']}"
+    if plot([(name, row["cells"])], os.path.join(cfg.out_dir, "retrieval.png")) is None:
         log("retrieval: no picture (matplotlib is not installed); the numbers are in retrieval.jsonl")
-    return row
 
 
 def chat_wanted(cfg, tok) -> bool:

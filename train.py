@@ -49,6 +49,7 @@ import optim
 import packing
 import parallel
 import plan
+import retrieval
 import rundir
 from config import TrainConfig
 from export import all_finite, export_hf
@@ -417,9 +418,9 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
         log(f"the run in {cfg.out_dir} is complete (step {run.done} of --max_steps {cfg.max_steps}); nothing to do. "
             "Raise --max_steps to train on, or use another --out_dir")
         return 0
-    eval_log, first_eval = None, None
+    eval_log, first_eval, first_needles = None, None, None
     if run.done == 0 and eval_due(cfg, 0):  # the model as it came, before any step (written once step 1 is done)
-        first_eval = evaluate(cfg, setup, make_batches, 0, None, log)
+        first_eval, first_needles = evaluate(cfg, setup, make_batches, 0, None, log, hold=True)
     stop = StopRequest()  # from here on a signal ends the run with a checkpoint; before, it ends it at once
     last_save, saved, skipped, zero_norm = time.time(), run.done, 0, 0
     t_loop, step_times = time.time(), []
@@ -449,6 +450,8 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
             eval_log = open_eval_log(cfg, run.done, device) if cfg.eval_every else None
             if eval_log and first_eval:
                 eval_log.write(first_eval)
+            if first_needles:  # rank 0's retrieval row of step 0
+                retrieval.write_files(cfg, first_needles, log)
             log(f"time to first step: {time.time() - t_start:.1f} s (start-up, weights, data, first step)")
         step_times.append(time.time() - t0)
         eta = progress(time.time() - t_loop, step_times, cfg.max_steps - step)

@@ -208,6 +208,16 @@ def test_a_failed_start_changes_no_file(tmp_path):
     assert p.returncode != 0 and not fresh.exists()
 
 
+def test_a_start_that_fails_at_step_one_writes_no_evaluation(tmp_path):
+    """The evaluation before step 1 (--eval_every, with the retrieval test) is held until step 1 is done: a run
+    killed in its first step leaves no folder behind, eval.jsonl and retrieval.jsonl included."""
+    out = tmp_path / "run"
+    p = launch(1, out, "--max_steps", "2", "--eval_every", "1", "--eval_sequences", "1", "--retrieval", "true",
+               "--retrieval_depths", "0.5", "--retrieval_keys", "1", fault="kill:0:1")
+    assert p.returncode != 0 and "retrieval    0 | exact match" in p.stderr + p.stdout, p.stderr[-3000:]
+    assert not out.exists(), sorted(os.listdir(out))
+
+
 def test_a_data_error_mid_run_saves_first_and_names_the_file(tmp_path):
     """A file that is not text, reached at step 3: the steps before it are saved, and one line names the file."""
     books = tmp_path / "books"

@@ -95,7 +95,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         y = F.linear(x, self.weight)  # an NF4Tensor weight is dequantized to x's dtype here (torchao's F.linear)
-        return y + self.lora_B(self.lora_A(x)) * self.scaling if self.rank else y
+        if not self.rank:
+            return y
+        # + B(A(x) * alpha/r), added by the GEMM itself (addmm, beta 1): the scale falls on the [.., rank]
+        # intermediate and y is read and written once, not three times over (bench/NOTES.md, LoRA)
+        h = self.lora_A(x) * self.scaling
+        return torch.addmm(y.flatten(0, -2), h.flatten(0, -2), self.lora_B.weight.t()).view(y.shape)
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import MLP, fused
+from model import MLP, _silu_mul, fused
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's all-linear,
 ATTENTION, MLP_PROJECTIONS = TARGETS[:4], TARGETS[4:]                                    # the head left out
@@ -62,10 +62,6 @@ def check_flags(rank: int, alpha: float, targets: str, quantize: str, merge: boo
     except ValueError as e:
         return str(e)
     return None
-
-
-def _silu_mul(g, u):
-    return F.silu(g) * u
 
 
 class LoRALinear(nn.Module):

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import MLP, _silu_mul, fused
+from loss import addmm_fp32_
+from model import MLP, _silu_mul, _silu_mul_backward, fused
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's all-linear,
 ATTENTION, MLP_PROJECTIONS = TARGETS[:4], TARGETS[4:]                                    # the head left out
@@ -90,13 +91,11 @@ class LoRALinear(nn.Module):
         return (self.lora_A.weight, self.lora_B.weight) if self.rank else ()
 
     def forward(self, x):
-        y = F.linear(x, self.weight)  # an NF4Tensor weight is dequantized to x's dtype here (torchao's F.linear)
-        if not self.rank:
-            return y
-        # + B(A(x) * alpha/r), added by the GEMM itself (addmm, beta 1): the scale falls on the [.., rank]
-        # intermediate and y is read and written once, not three times over (bench/NOTES.md, LoRA)
-        h = self.lora_A(x) * self.scaling
-        return torch.addmm(y.flatten(0, -2), h.flatten(0, -2), self.lora_B.weight.t()).view(y.shape)
+        # An NF4Tensor weight is dequantized to x's dtype inside F.linear (torchao's). The adapter's B(A(x) *
+        # alpha/r) is added by the GEMM itself (addmm, beta 1): the scale falls on the [.., rank] intermediate
+        # and y is read and written once, not three times over (bench/NOTES.md, LoRA)
+        y, _ = _rows(x.flatten(0, -2), self.weight, self.adapters(), self.scaling)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 @torch.no_grad()
@@ -106,39 +105,84 @@ def init_adapter(a, b, generator=None):
     b.zero_()
 
 
-class _TiledRows(torch.autograd.Function):
-    """fn over tiles of rows, each tile's forward and backward on its own (as model._TiledMLP, for any fn): the
-    backward recomputes each tile under autograd, so only the adapters get weight gradients (the frozen weights
-    need none), summed over the tiles in fp32 and rounded once. params: the tensors fn trains (its adapters)."""
+def _rows(x, w, ab, s):
+    """A LoRALinear on rows x [t, in]: w the dense frozen weight, ab its (A, B) or () -> (y, x A^T or None)."""
+    y = F.linear(x, w)
+    if not ab:
+        return y, None
+    a = F.linear(x, ab[0])
+    return torch.addmm(y, a * s, ab[1].t()), a
+
+
+def _rows_backward(dy, x, w, ab, s, acc, dx, a=None, add=False):
+    """The backward of _rows: dx (= or, add: +=) dy W + s (dy B) A, and (ab) acc = (dA, dB) fp32 +=
+    (s dy B)^T x, s dy^T (x A^T). a: x A^T if the forward kept it. The frozen W gets no gradient."""
+    if add:
+        dx.addmm_(dy, w)
+    else:
+        torch.mm(dy, w, out=dx)
+    if ab:
+        A, B = ab
+        a = F.linear(x, A) if a is None else a
+        addmm_fp32_(acc[1], dy.t(), a * s)
+        e = (dy @ B) * s                                                   # [t, r]
+        addmm_fp32_(acc[0], e.t(), x)
+        dx.addmm_(e, A)
+
+
+class _TiledLoRAMLP(torch.autograd.Function):
+    """LoRAMLP over tiles of rows, its backward written out as model._TiledMLP's: per tile the gate and up
+    projections recomputed (the down projection's output is never needed), the SwiGLU's gradient in one fused
+    kernel, dX through the frozen weights, and the adapters' gradients summed in fp32 and rounded once. An NF4
+    weight is dequantized once for the whole backward, not at each tile. parts: per projection (gate, up, down),
+    its weight, then its A and B if it has an adapter."""
 
     @staticmethod
-    def forward(ctx, x, tile, value_is_read, fn, *params):
-        ctx.tile, ctx.fn = tile, fn
-        ctx.save_for_backward(x, *params)
+    def forward(ctx, x, tile, value_is_read, mlp, *parts):
+        ctx.tile, ctx.mlp = tile, mlp
+        ctx.save_for_backward(x, *parts)
         if not value_is_read:  # a recomputed block's backward: only the graph is used (as in _TiledMLP)
             return x.new_empty(x.shape)
         rows = x.reshape(-1, x.shape[-1])
-        return torch.cat([fn(xt) for xt in rows.split(tile)]).view(x.shape)
+        return torch.cat([mlp.swiglu(xt) for xt in rows.split(tile)]).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, *params = ctx.saved_tensors
+        x, *parts = ctx.saved_tensors
         rows, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+        projections, groups = [getattr(ctx.mlp, name) for name in MLP_PROJECTIONS], []
+        for m in projections:  # parts, regrouped: (weight, *adapters) per projection
+            n = 3 if m.rank else 1
+            groups.append(parts[:n])
+            parts = parts[n:]
+        (wg, *g_ab), (wu, *u_ab), (wd, *d_ab) = groups
+        wg, wu, wd = (dense(w, x.dtype) for w in (wg, wu, wd))
+        sg, su, sd = (m.scaling for m in projections)
+        acc = [[torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in ab]
+               for ab in (g_ab, u_ab, d_ab)]
         dx = torch.empty_like(rows)
-        acc = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
         for xt, dyt, dxt in zip(rows.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
-            with torch.enable_grad():
-                xt = xt.detach().requires_grad_()
-                grads = torch.autograd.grad(ctx.fn(xt), (xt, *params), dyt)
-            dxt.copy_(grads[0])
-            for a, g in zip(acc, grads[1:]):
-                a += g
-        return dx.view(x.shape), None, None, None, *(a.to(p.dtype) for a, p in zip(acc, params))
+            (g, ag), (u, au) = _rows(xt, wg, g_ab, sg), _rows(xt, wu, u_ab, su)   # [t, I], [t, r]
+            h = fused(_silu_mul, g)(g, u)
+            dh = torch.empty_like(h)
+            _rows_backward(dyt, h, wd, d_ab, sd, acc[2], dh)                      # dh = dy W_down (+ adapter)
+            dg, du = fused(_silu_mul_backward, g)(dh, g, u)
+            _rows_backward(dg, xt, wg, g_ab, sg, acc[0], dxt, ag)                 # dx = dg W_gate + du W_up
+            _rows_backward(du, xt, wu, u_ab, su, acc[1], dxt, au, add=True)
+        grads = []  # per projection: none for the frozen weight, then its adapters', rounded once
+        for ab, ga in zip((g_ab, u_ab, d_ab), acc):
+            grads += [None, *(a.to(t.dtype) for t, a in zip(ab, ga))]
+        return dx.view(x.shape), None, None, None, *grads
+
+
+def dense(w, dtype):
+    """A frozen weight as a plain tensor of dtype: an NF4Tensor dequantized (torchao), any other as it is."""
+    return w.get_original_weight().to(dtype) if hasattr(w, "get_original_weight") else w.to(dtype)
 
 
 class LoRAMLP(nn.Module):
     """model.MLP with LoRALinear projections: down(silu(gate(x)) * up(x)), tiled along the sequence as MLP is
-    (`tile`, set by Qwen3.set_levers) but through _TiledRows, whose backward gives the adapters' gradients."""
+    (`tile`, set by Qwen3.set_levers) but through _TiledLoRAMLP, whose backward gives the adapters' gradients."""
 
     def __init__(self, mlp: MLP, rank: int, alpha: float, targets, nf4=False, base_dtype=None):
         super().__init__()
@@ -152,8 +196,8 @@ class LoRAMLP(nn.Module):
 
     def forward(self, x, value_is_read=True):
         if self.tile and x.shape[-2] > self.tile:
-            adapters = [w for name in MLP_PROJECTIONS for w in getattr(self, name).adapters()]
-            return _TiledRows.apply(x, self.tile, value_is_read, self.swiglu, *adapters)
+            parts = [t for name in MLP_PROJECTIONS for m in [getattr(self, name)] for t in (m.weight, *m.adapters())]
+            return _TiledLoRAMLP.apply(x, self.tile, value_is_read, self, *parts)
         return self.swiglu(x)
 
 

@@ -3,9 +3,13 @@
 # linear of attention and MLP. One stage per call; each run has its own timeout and its files land in OUT.
 #
 #   bash bench/lora_gpu.sh tests OUT       # the GPU tests (pytest -m gpu tests)
-#   bash bench/lora_gpu.sh 131k OUT        # LoRA and QLoRA at 131,072 tokens, 2 steps (the second is timed)
+#   bash bench/lora_gpu.sh 131k OUT        # one LoRA projection's forms (bench/lora_linear.py), then LoRA (3 steps,
+#                                          # the 2nd and 3rd timed) and QLoRA (2 steps) at 131,072 tokens
 #   bash bench/lora_gpu.sh retrieval OUT   # bench/retrieval_cost.py at 131,072 tokens
 #   bash bench/lora_gpu.sh longest80 OUT   # LoRA at 393,216 tokens planned for an 80 GB GPU (--gpu_mem_gib 74.5)
+#   bash bench/lora_gpu.sh longest OUT     # LoRA at 524,288 tokens on the whole GPU: one step is longer than a
+#                                          # 10-minute call, so it starts under setsid and waits up to 560 s;
+#   bash bench/lora_gpu.sh collect OUT     # ... then this waits (up to 570 s) for it to end and collects its files
 #
 # FA4 on PYTHONPATH first (bench/fa4_wheels.sh); QLoRA needs torchao, the tests need peft (wheels, --no-deps).
 set -u
@@ -28,13 +32,24 @@ run() {  # name timeout flags...: one train.py run, its log and metrics into OUT
     grep -E "^(fit|plan|step|error)" "$OUT/$name.log" | tail -6
 }
 
+wait_longest() {  # seconds: wait for the setsid run of `longest` to end, or for that long; copy what it wrote
+    local t=0
+    while pgrep -f "lora_gpu_longest" > /dev/null && [ "$t" -lt "$1" ]; do sleep 10; t=$((t + 10)); done
+    pgrep -f "lora_gpu_longest" > /dev/null && echo "still running after ${t} s" || echo "ended"
+    cp /tmp/lora_gpu_longest.log "$OUT/lora_524k.log"
+    cp /tmp/lora_gpu_longest/metrics.jsonl "$OUT/lora_524k.metrics.jsonl" 2>/dev/null
+    grep -E "^(fit|plan|step|error)" "$OUT/lora_524k.log" | tail -6; nvidia-smi --query-gpu=memory.used --format=csv
+}
+
 case "$STAGE" in
 tests)
     timeout 420 python -m pytest -m gpu tests -q -x -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "tests rc $?" >> "$OUT/rc.txt"; tail -15 "$OUT/gpu_tests.log"
     ;;
 131k)
-    run lora_131k 280 --seq_len 131072 --max_steps 2 --lora_rank 16
+    timeout 120 python bench/lora_linear.py --tokens 131072 --out "$OUT/lora_linear.json" > "$OUT/lora_linear.log" 2>&1
+    echo "lora_linear rc $?" >> "$OUT/rc.txt"; cat "$OUT/lora_linear.log"
+    run lora_131k 300 --seq_len 131072 --max_steps 3 --lora_rank 16
     run qlora_131k 280 --seq_len 131072 --max_steps 2 --lora_rank 16 --quantize nf4
     ;;
 retrieval)
@@ -47,6 +62,16 @@ retrieval)
 longest80)
     run lora_393k_80gb 570 --seq_len 393216 --max_steps 1 --lora_rank 16 --gpu_mem_gib 74.5
     ;;
+longest)
+    clean_gpu
+    setsid nohup timeout 1500 python -m torch.distributed.run --standalone --nproc_per_node 1 train.py $COMMON \
+        --out_dir /tmp/lora_gpu_longest --seq_len 524288 --max_steps 1 --lora_rank 16 \
+        > /tmp/lora_gpu_longest.log 2>&1 < /dev/null &
+    wait_longest 560
+    ;;
+collect)
+    wait_longest 570
+    ;;
 *)
-    echo "usage: bash bench/lora_gpu.sh tests|131k|retrieval|longest80 OUT" >&2; exit 2 ;;
+    echo "usage: bash bench/lora_gpu.sh tests|131k|retrieval|longest80|longest|collect OUT" >&2; exit 2 ;;
 esac

@@ -191,3 +191,43 @@ def test_offload_pins_exactly_the_bytes_asked():
     del off, buf, reg
     assert int(cudart.cudaHostRegister(ptr, size, 0)) == 0 and int(cudart.cudaHostUnregister(ptr)) == 0
     del raw
+
+
+@pytest.mark.parametrize("quantize", ["", "nf4"])
+def test_bf16_cuda_lora_matches_float64_cpu(group_of_one, quantize):
+    """LoRA on every projection in bf16 on CUDA (lora._TiledLoRAMLP's written-out backward with the fused
+    kernels, offload, kept attention, a cuDNN ring of one) against the same model in float64 on the CPU without a
+    lever; the adapters' B drawn non-zero so that every adapter has a gradient. NF4: the CPU model holds the
+    dequantized weights (the quantization is the same function on both; tests/test_lora.py checks it)."""
+    import lora
+    if quantize:
+        pytest.importorskip("torchao")
+    m = lora.apply(model(torch.bfloat16), rank=4, alpha=8, quantize=quantize)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.normal_(0, 0.02)
+    if quantize:
+        lora.quantize(m)
+    ref_m = lora.apply(model(torch.bfloat16), rank=4, alpha=8).to("cpu", torch.float64)
+    sd = {n: p.detach() for n, p in m.named_parameters()}
+    with torch.no_grad():
+        for mod_name, mod in m.named_modules():
+            if isinstance(mod, lora.LoRALinear):
+                sd[f"{mod_name}.weight"] = lora.dense(mod.weight, torch.bfloat16)
+    ref_m.load_state_dict({n: t.cpu().double() for n, t in sd.items()})
+    m.attn_fn = RingAttention(group_of_one, Kernels("cudnn"))
+    ids = torch.randint(0, 257, (1, 3001))
+    ref_m.set_levers(recompute=False)
+    ref_loss, _ = ref_m(ids, labels=ids)
+    ref_loss.backward()
+    m.set_levers(offload=True, keep_attention=True, mlp_tile=1024)
+    loss, _ = m(ids.cuda(), labels=ids.cuda())
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    trained = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    assert len(trained) == 2 * 7 * 3  # A and B on seven projections in three blocks
+    for n, p in ref_m.named_parameters():
+        if n in trained:
+            err, fl = rel(trained[n].grad.cpu(), p.grad), floor(p.grad)
+            assert err < 10 * fl, (n, err, fl)

@@ -25,8 +25,9 @@ GEMMs run at the dense GEMM rate and the routing costs nothing beyond the per-to
 
 LoRA (lora.py): the frozen base costs act_bytes a parameter (sharded), or NF4_BYTES for the blocks' projections
 with --quantize nf4 (held whole on every rank), and has no gradient, no AdamW state and no weight-gradient GEMM;
-only the adapters train. No LoRA run has been measured: the fitted constants are the full fine-tune's, and NF4's
-dequantization (an elementwise pass over each weight per call) is not timed.
+only the adapters train. The adapters are timed by the memory they move, not by their FLOPs (rank-16 GEMMs over
+[T, width] activations are bandwidth-bound), and NF4 by its dequantizations: both from measured runs
+(bench/NOTES.md, "The LoRA step, measured against the plan").
 """
 import argparse
 import os
@@ -53,12 +54,20 @@ class Constants:
                                         # AdamW's step is within the fit's other terms)
     moe_s_per_mslot_layer: float = 0.0  # Qwen3-MoE: seconds per million routed (token, expert) pairs per sparse layer
                                         # beyond the experts' GEMM FLOPs: routing, permutation, gathers, tile sums
+    adapter_ps_per_token_width: float = 0.0  # LoRA: picoseconds per token per unit of an adapted projection's
+                                        # in + out width, for its adapter's passes in a step (forward, recompute,
+                                        # backward), beyond the frozen GEMMs' time and the adapters' own FLOPs
+    nf4_s_per_gparam: float = 0.0       # QLoRA: seconds per billion NF4 weights per step (their dequantizations)
 
 
 FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0),  # kernel benchmark: cuDNN 539-555, FA4 621-622
                    gemm_tflops=641.3,                           # profile: ~700
                    other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=29.0, ring_bytes_per_token_qdim=7.93,
-                   sr_s_per_gparam=0.1, moe_s_per_mslot_layer=0.081)  # these two: three MoE runs (bench/NOTES.md)
+                   sr_s_per_gparam=0.1, moe_s_per_mslot_layer=0.081,  # these two: three MoE runs (bench/NOTES.md)
+                   # bench/lora_linear.py's adapter time over the frozen GEMM less the adapter FLOPs (2.8 ps per
+                   # token per width, forward and backward) x 1.3 for the recompute's forward; NF4: QLoRA's 131k
+                   # step over LoRA's, 0.72 s for 6.95 B NF4 weights
+                   adapter_ps_per_token_width=3.6, nf4_s_per_gparam=0.104)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
@@ -228,7 +237,8 @@ def attention_flops(s: Shape, lv: Levers) -> float:
 def gemm_flops(s: Shape) -> float:
     """GEMM FLOPs one rank runs in a step: the blocks' forward, backward (2x) and the recompute's forward; the
     head's forward and backward, never recomputed (the loss runs it once). With LoRA the frozen weights get no
-    gradient (the backward's dX GEMM alone: blocks 3x, head 2x), and the adapters all four passes."""
+    gradient (the backward's dX GEMM alone: blocks 3x, head 2x), and the adapters all four passes (their time is
+    mostly memory traffic: adapter_seconds)."""
     if s.lora_rank:
         return 2 * s.tokens * (3 * s.blocks_matmul_params + 2 * s.hidden * s.vocab + 4 * s.lora_params)
     return 2 * s.tokens * (4 * s.blocks_matmul_params + 3 * s.hidden * s.vocab)
@@ -297,10 +307,18 @@ def routed_slots(s: Shape) -> int:
     return s.sparse_layers * s.tokens * s.top_k
 
 
+def adapter_seconds(s: Shape, k: Constants = FITTED) -> float:
+    """LoRA's adapters and NF4's dequantizations in a step, beyond what gemm_flops times: each adapter reads its
+    projection's input and output (and their gradients) a few times over in skinny GEMMs bound by memory, a time
+    proportional to tokens x (in + out); each NF4 weight is dequantized at each pass. 0 for a full fine-tune."""
+    widths = s.lora_params / s.lora_rank if s.lora_rank else 0  # in + out, summed over the adapted projections
+    return k.adapter_ps_per_token_width * 1e-12 * s.tokens * widths + k.nf4_s_per_gparam * s.nf4_params / 1e9
+
+
 def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     return (attention_flops(s, lv) / (k.attn_tflops[s.attn_backend] * 1e12) + gemm_flops(s) / (k.gemm_tflops * 1e12)
             + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 + k.sr_s_per_gparam * sr_gparams(s)
-            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6)
+            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6 + adapter_seconds(s, k))
 
 
 def forward_seconds(s: Shape, k: Constants = FITTED) -> float:

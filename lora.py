@@ -196,7 +196,9 @@ class LoRAMLP(nn.Module):
 
     def forward(self, x, value_is_read=True):
         if self.tile and x.shape[-2] > self.tile:
-            parts = [t for name in MLP_PROJECTIONS for m in [getattr(self, name)] for t in (m.weight, *m.adapters())]
+            parts = []  # per projection: its weight, then its adapters
+            for m in (self.gate_proj, self.up_proj, self.down_proj):
+                parts += [m.weight, *m.adapters()]
             return _TiledLoRAMLP.apply(x, self.tile, value_is_read, self, *parts)
         return self.swiglu(x)
 

@@ -251,5 +251,6 @@ def test_help_and_a_short_config_line(tmp_path):
     assert p.returncode == 0 and "--max_steps 150" in p.stdout and "--model tiny" in p.stdout, p.stderr[-2000:]
     p = launch(1, tmp_path / "run", "--max_steps", "1")
     config = next(x for x in p.stdout.splitlines() if x.startswith("config:"))
-    assert len(config) < 300 and "--max_steps 1" in config, config
+    # short but for the run folder's path, named twice (pytest's tmp_path is longer under some runners)
+    assert len(config.replace(str(tmp_path / "run"), "RUN")) < 200 and "--max_steps 1" in config, config
     assert "K parameters" in p.stdout and "MiB; 2 kept" in p.stdout, p.stdout

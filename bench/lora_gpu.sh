@@ -10,6 +10,8 @@
 #   bash bench/lora_gpu.sh longest OUT     # LoRA at 524,288 tokens on the whole GPU: one step is longer than a
 #                                          # 10-minute call, so it starts under setsid and waits up to 560 s;
 #   bash bench/lora_gpu.sh collect OUT     # ... then this waits (up to 570 s) for it to end and collects its files
+#   bash bench/lora_gpu.sh profile OUT     # LoRA at 131,072 tokens, the levers --fit auto picks there given by hand
+#                                          # (bench/profile_step.py runs --fit off): step 3 traced, its summary
 #
 # FA4 on PYTHONPATH first (bench/fa4_wheels.sh); QLoRA needs torchao, the tests need peft (wheels, --no-deps).
 set -u
@@ -72,6 +74,15 @@ longest)
 collect)
     wait_longest 570
     ;;
+profile)
+    clean_gpu
+    timeout 560 python bench/profile_step.py --run qwen3-8b:131072 --timeout 540 --extra "--lora_rank 16 \
+        --attn_backend fa4 --param_dtype float32 --offload true --offload_layers 36 --keep_attention true \
+        --keep_attention_layers 36" > "$OUT/profile_lora_131k.log" 2>&1
+    echo "profile rc $?" >> "$OUT/rc.txt"
+    cp /tmp/profile_runs/qwen3-8b_131072_*/profile/summary.json "$OUT/profile_lora_8b_131k.json" 2>/dev/null
+    tail -45 "$OUT/profile_lora_131k.log"
+    ;;
 *)
-    echo "usage: bash bench/lora_gpu.sh tests|131k|retrieval|longest80|longest|collect OUT" >&2; exit 2 ;;
+    echo "usage: bash bench/lora_gpu.sh tests|131k|retrieval|longest80|longest|collect|profile OUT" >&2; exit 2 ;;
 esac

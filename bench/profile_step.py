@@ -26,7 +26,8 @@ from train_steps import run_one  # noqa: E402
 KINDS = [("attention", r"sdpa|fmha|flash|attention|cudnn"), ("optimizer", r"adam|multi_tensor"),
          ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_.*tn|splitk")]
 RANGES = {"chunked_nll": "loss", "moe": "experts"}  # record_function names in model.py, moe.py -> kind of kernels
-OUR_FILES = ("model.py", "moe.py", "loss.py", "parallel.py", "kernels.py", "documents.py", "train.py")
+OUR_FILES = ("model.py", "moe.py", "lora.py", "loss.py", "parallel.py", "kernels.py", "documents.py", "optim.py",
+             "train.py")
 
 
 def union_us(intervals):
@@ -115,8 +116,11 @@ def summarise_memory(path):
         groups = collections.Counter()
         for e in live.values():
             groups[where(e.get("frames", []))] += e["size"]
-        out[kind] = dict(peak_in_step_gib=peak / gib, peak_total_gib=(before + peak) / gib,
-                         at_peak_gib=[(w, b / gib) for w, b in groups.most_common(12)])
+        # where the step was when the peak came: the peak allocation's frames in our files, innermost first
+        ours = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in trace[peak_i].get("frames", [])
+                if os.path.basename(f["filename"]) in OUR_FILES] if peak_i >= 0 else []
+        out[kind] = dict(peak_in_step_gib=peak / gib, peak_total_gib=(before + peak) / gib, peak_during=ours[:8],
+                         at_peak_gib=[(w, b / gib) for w, b in groups.most_common(16)])
     return out
 
 

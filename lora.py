@@ -204,17 +204,34 @@ class LoRAMLP(nn.Module):
 
 
 class InputEmbedding(nn.Module):
-    """The frozen embedding, its output marked as requiring grad: a recomputed block takes its input as its only
+    """The frozen embedding, its output made part of the graph: a recomputed block takes its input as its only
     tensor input (model._RecomputedBlock), so with nothing before the first block that trains, the blocks' graph
-    would otherwise never start (transformers' enable_input_require_grads does the same)."""
+    would otherwise never start. transformers' enable_input_require_grads makes the output a leaf that requires
+    grad; a leaf stays alive until the backward ends (the graph holds it to accumulate its gradient) and gets a
+    gradient no one reads, each [T, hidden]. _GraphStart passes the output through a node instead, so it lives
+    only as long as the first block keeps it (with offload: until its copy to the host is done)."""
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
         self.weight = embedding.weight
+        self.anchor = torch.empty(0, requires_grad=True)  # not a parameter: nothing to train, save or shard
 
     def forward(self, ids):
         x = F.embedding(ids, self.weight)
-        return x.requires_grad_() if torch.is_grad_enabled() and not x.requires_grad else x
+        return _GraphStart.apply(x, self.anchor) if torch.is_grad_enabled() and not x.requires_grad else x
+
+
+class _GraphStart(torch.autograd.Function):
+    """x as it is, as the output of a node that requires grad (through an empty anchor) and whose backward drops
+    the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return None, None
 
 
 def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None, quantize: str = ""):

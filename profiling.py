@@ -19,8 +19,9 @@ def profiled(cfg, step: int, rank: int, log):
     if cfg.device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
         # 2M events: enough for one Qwen3-8B step at 1M tokens (~1M allocations and frees); each event costs
-        # a few hundred bytes of host memory
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        # a few hundred bytes of host memory. Python frames only: C++ ones, symbolised at the dump, took more
+        # host memory than a 128 GiB host had left beside 73 GiB of pinned buffers (killed at 131k with LoRA)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     prof = torch.profiler.profile(activities=acts)
     prof.start()
     yield

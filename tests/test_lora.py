@@ -7,6 +7,7 @@ dequantized model's; train.py killed and resumed with QLoRA continues exactly. C
     python -m pytest tests/test_lora.py -q
 """
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,22 @@ def test_the_base_never_moves_and_the_head_makes_no_gradient(tmp_path, monkeypat
     assert need_dw == [False] * 3
     for n, p in m.named_parameters():
         assert torch.equal(p, start[n]) != lora.is_adapter(n), n
+
+
+def test_the_frozen_embedding_output_is_not_held_to_the_end_of_the_backward(monkeypatch):
+    """The embedding's output starts the graph (lora.InputEmbedding) without becoming a leaf: with every block
+    offloaded it is freed once the forward is done (a leaf would stay until the backward ends, [T, hidden] at the
+    GPU's peak: 1 GiB at 131k on Qwen3-8B, bench/NOTES.md), and the first block's adapters still get gradients."""
+    m = adapted(random_model(tiny())).set_levers(**LEVERS["all"])
+    made, embedding = [], F.embedding
+    monkeypatch.setattr(lora.F, "embedding", lambda *a, **k: made.append(embedding(*a, **k)) or made[-1])
+    ids, labels, pos, docs = windows(1)[0]
+    s, n = m(ids[None], pos[None], labels[None])
+    alive = weakref.ref(made.pop())
+    assert alive() is None
+    (s / n).backward()
+    first = [p.grad for name, p in m.named_parameters() if name.startswith("layers.0.") and lora.is_adapter(name)]
+    assert len(first) == 14 and all(g is not None and g.abs().sum() > 0 for g in first)
 
 
 # --- FSDP2 and the ring: cp 2 and 4, dp 2, grad_accum 2 -------------------------------------------------

@@ -5,6 +5,7 @@
 #   bash bench/lora_gpu.sh tests OUT       # the GPU tests (pytest -m gpu tests)
 #   bash bench/lora_gpu.sh 131k OUT        # one LoRA projection's forms (bench/lora_linear.py), then LoRA (3 steps,
 #                                          # the 2nd and 3rd timed) and QLoRA (2 steps) at 131,072 tokens
+#   bash bench/lora_gpu.sh lora131k OUT   # LoRA alone at 131,072 tokens (3 steps)
 #   bash bench/lora_gpu.sh retrieval OUT   # bench/retrieval_cost.py at 131,072 tokens
 #   bash bench/lora_gpu.sh longest80 OUT   # LoRA at 393,216 tokens planned for an 80 GB GPU (--gpu_mem_gib 74.5)
 #   bash bench/lora_gpu.sh longest OUT     # LoRA at 524,288 tokens on the whole GPU: one step is longer than a
@@ -54,6 +55,9 @@ tests)
     run lora_131k 300 --seq_len 131072 --max_steps 3 --lora_rank 16
     run qlora_131k 280 --seq_len 131072 --max_steps 2 --lora_rank 16 --quantize nf4
     ;;
+lora131k)
+    run lora_131k 300 --seq_len 131072 --max_steps 3 --lora_rank 16
+    ;;
 retrieval)
     clean_gpu
     timeout 400 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/retrieval_cost.py \
@@ -84,5 +88,5 @@ profile)
     tail -45 "$OUT/profile_lora_131k.log"
     ;;
 *)
-    echo "usage: bash bench/lora_gpu.sh tests|131k|retrieval|longest80|longest|collect|profile OUT" >&2; exit 2 ;;
+    echo "usage: bash bench/lora_gpu.sh tests|131k|lora131k|retrieval|longest80|longest|collect|profile OUT" >&2; exit 2 ;;
 esac

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import hf  # noqa: E402
-from model import Qwen3, Qwen3Config  # noqa: E402
+from model import Qwen3  # noqa: E402
 
 
 def rate(fn, nbytes: int, repeat=3) -> float:

@@ -19,27 +19,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
+from timing import median_seconds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-
-def timed(fn, device, reps):
-    """Median seconds of fn() over reps calls, after one warm-up call."""
-    fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def bucket_work(T, H, V, chunk, k, device, dtype, reps):
@@ -70,7 +56,8 @@ def bucket_work(T, H, V, chunk, k, device, dtype, reps):
         s.backward()
         hidden.grad = weight.grad = None
 
-    return timed(row_writes, device, reps), timed(add, device, reps), timed(loss_step, device, max(reps // 5, 2))
+    return (median_seconds(row_writes, device, reps), median_seconds(add, device, reps),
+            median_seconds(loss_step, device, max(reps // 5, 2)))
 
 
 def train_py(args, out, *flags):

@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,16 +27,7 @@ import plan  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
 from survival import Log  # noqa: E402
-
-
-def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+from timing import seconds  # noqa: E402
 
 
 def main(argv):
@@ -72,10 +62,10 @@ def main(argv):
                                       cfg.seed)
     score = lambda ws: retrieval.score(s.model, ws, cp_group, s.mesh.get_local_rank("dp"), s.mesh.size(0), device)
     shape = fit.plan_shape(cfg, s.mcfg, world)
-    timed(forward, device)  # warm-up: kernels compiled, allocator grown
-    fwd = [timed(forward, device) for _ in range(repeat)]
-    one = [timed(lambda: score(windows[:1]), device) for _ in range(repeat)]
-    everything = timed(lambda: score(windows), device)
+    seconds(forward, device)  # warm-up: kernels compiled, allocator grown
+    fwd = [seconds(forward, device) for _ in range(repeat)]
+    one = [seconds(lambda: score(windows[:1]), device) for _ in range(repeat)]
+    everything = seconds(lambda: score(windows), device)
     rec = dict(model=cfg.model, seq_len=cfg.seq_len, world=world, cp=cp, attn_backend=shape.attn_backend,
                forward_s=fwd, window_s=one, ratio=statistics.median(one) / statistics.median(fwd),
                windows=len(windows), needles_per_window=len(windows[0].needles), cells=len(grid.depths),

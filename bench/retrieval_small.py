@@ -21,7 +21,6 @@ it stops beyond L: with the RoPE it was trained with, with YaRN, and with YaRN a
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -35,6 +34,7 @@ import data  # noqa: E402
 import retrieval  # noqa: E402
 from loss import chunked_nll  # noqa: E402
 from model import Qwen3, Qwen3Config  # noqa: E402
+from timing import demo_run  # noqa: E402
 
 SOURCE = "synthetic:100"
 
@@ -69,16 +69,7 @@ def train(m, tok, length: int, steps: int, batch: int, lr: float, args, start_bo
 def train_py(args, name, *flags):
     """One train.py run (world of one) in work/name; -> its retrieval.jsonl row."""
     out = os.path.join(args.work, name)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", "demo", "--seed", str(args.seed),
-           "--out_dir", out, *map(str, flags)]
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    t0 = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    print("\n".join("  " + x for x in p.stdout.splitlines() if x.startswith("retrieval ")))
-    print(f"  ({time.time() - t0:.0f} s)", flush=True)
+    demo_run(out, name, ["--seed", args.seed, *flags], args.threads, "retrieval ")
     with open(os.path.join(out, "retrieval.jsonl")) as fh:
         return json.loads(fh.readlines()[-1])
 

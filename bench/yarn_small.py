@@ -18,7 +18,6 @@ each curve's mean loss over the last eighth of the sequence.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -26,24 +25,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from plot_positions import plot, span_middles, tail_mean  # noqa: E402
+from timing import demo_run  # noqa: E402
 
 
 def train_py(args, work, name, *flags):
     """One train.py run (world of one) in work/name; -> its eval.jsonl rows."""
     out = os.path.join(work, name)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", "demo", "--data", args.data,
-           "--seed", str(args.seed), "--loss_buckets", str(args.buckets), "--eval_sequences", str(args.eval_sequences),
-           "--checkpoints", "false", "--out_dir", out, *map(str, flags)]
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    t0 = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    for line in p.stdout.splitlines():
-        if line.startswith("eval "):
-            print("  " + line)
-    print(f"  ({time.time() - t0:.0f} s)", flush=True)
+    demo_run(out, name, ["--data", args.data, "--seed", args.seed, "--loss_buckets", args.buckets,
+                         "--eval_sequences", args.eval_sequences, "--checkpoints", "false", *flags],
+             args.threads, "eval ")
     with open(os.path.join(out, "eval.jsonl")) as fh:
         return [json.loads(line) for line in fh]
 

@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 def bucket_work(T, H, V, chunk, k, device, dtype, reps):
     """Seconds of (row_nll writes, PositionSums.add, the chunked loss fwd+bwd) for T rows on one rank."""
     from loss import chunked_nll
+    from data import Micro
     from evaluate import PositionSums
     g = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(T, H, device=device, generator=g).to(dtype).requires_grad_()             # [T, H]
@@ -48,8 +49,10 @@ def bucket_work(T, H, V, chunk, k, device, dtype, reps):
     out = chunked_nll(hidden, weight, labels, chunk_size=chunk)
     positions = rows[None]                                                                       # [1, T]
 
+    micro = Micro(inputs=labels[None], labels=labels[None], positions=positions, doc_lens=None, pad=0)
+
     def add():
-        PositionSums(positions, T, k).add(out, labels[None])
+        PositionSums(T, k, device).add(out, micro)
 
     def loss_step():
         s, _ = chunked_nll(hidden, weight, labels, chunk_size=chunk)

@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
+import hf  # noqa: E402
 import retrieval  # noqa: E402
 from loss import chunked_nll  # noqa: E402
 from model import Qwen3, Qwen3Config  # noqa: E402
@@ -100,12 +101,12 @@ def main():
     torch.manual_seed(args.seed)
     m = Qwen3(Qwen3Config.tiny())
     m.init_weights()
-    train(m, tok, L, args.train_steps, args.batch, args.lr, args).save_pretrained(saved)
+    hf.save_pretrained(train(m, tok, L, args.train_steps, args.batch, args.lr, args), saved)
     long = Qwen3(m.cfg.yarn_scaled(args.factor, L))
     long.load_state_dict(m.state_dict())
     print(f"fine-tuning it with YaRN x{args.factor} on passkey windows of {L * args.factor} bytes", flush=True)
-    train(long, tok, L * args.factor, args.finetune_steps, args.finetune_batch, args.finetune_lr, args,
-          start_book=10**6).save_pretrained(tuned)  # books the first training did not reach
+    hf.save_pretrained(train(long, tok, L * args.factor, args.finetune_steps, args.finetune_batch,
+                             args.finetune_lr, args, start_book=10**6), tuned)  # books the first training did not reach
     lengths = ",".join(str(L * f) for f in (1, 2, 4, 8, 16) if f <= args.factor)
     grid = ["--tokenizer", "byte", "--data", SOURCE, "--eval_only", "true", "--eval_sequences",
             1, "--seq_len", L, "--retrieval", "true", "--retrieval_lengths", lengths, "--retrieval_depths",

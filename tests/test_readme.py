@@ -1,6 +1,6 @@
 """The README's "Your own data" commands, run exactly as written, each in a copy of the repository: every one
 trains (metrics.jsonl has finite losses over trained tokens), and the viewer shows trained tokens in [[ ]].
-About a minute on 2 CPU cores."""
+About a minute on 2 CPU cores. And every relative link of the docs, with its #anchor, lands on a file and a heading."""
 import json
 import math
 import os
@@ -60,3 +60,38 @@ def test_readme_command_runs_as_written(repo_copy, command):
     rows = [json.loads(line) for line in open(repo_copy / out_dir / "metrics.jsonl")]
     assert rows and all(math.isfinite(r["loss"]) and r["num_tokens"] > 0 for r in rows), rows
     assert "the data ran out after step" in p.stdout + p.stderr
+
+
+DOCS = ("README.md", "GUIDE.md", "bench/RESULTS.md", "bench/NOTES.md")
+
+
+def anchors(path):
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens,
+    a repeated heading numbered (-1, -2, ...); code blocks skipped."""
+    seen, out = {}, set()
+    text = re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower().replace("`", "")).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_relative_link_and_anchor_resolves(doc):
+    """Each [text](target) in the docs that is not a web address names a file of the repository, and its #anchor,
+    if any, a heading of that file."""
+    path = os.path.join(ROOT, doc)
+    text = re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(dest):
+            broken.append(f"{target}: no file")
+        elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading")
+    assert not broken, broken

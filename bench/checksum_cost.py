@@ -61,7 +61,7 @@ def main():
     res["blake2b_mem_gbs"] = rate(lambda: hashlib.blake2b(buf).digest(), len(buf))
     res["sha256_mem_gbs"] = rate(lambda: hashlib.sha256(buf).digest(), len(buf))
 
-    path, n = os.path.join(a.dir, "checksum_cost.bin"), int(a.gib * 2**30) // len(buf)
+    path, n = os.path.join(a.dir, "checksum_cost.bin"), max(1, int(a.gib * 2**30) // len(buf))  # >= 256 MiB
     t = time.perf_counter()
     with open(path, "wb") as fh:
         for _ in range(n):

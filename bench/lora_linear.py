@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--out", default="/tmp/lora_linear.json")
     a_ = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/lora_linear.py times CUDA GEMMs: run it on a GPU machine")
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, s = [], 2.0
     for n_in, n_out in ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)):

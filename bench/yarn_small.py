@@ -92,12 +92,16 @@ def main():
         curves=[{k: c[k] for k in ("label", "seq_len", "positions", "y", "mean", "last_eighth")} for c in curves])
     with open(os.path.join(args.out, "yarn_small.json"), "w") as fh:
         json.dump(result, fh, indent=1)
-    plot(curves, os.path.join(args.out, "yarn_small.png"), trained_len=L,
-         title=f"tiny Qwen3 trained at {L} tokens, evaluated at {long} (held-out synthetic books)")
+    try:
+        plot(curves, os.path.join(args.out, "yarn_small.png"), trained_len=L,
+             title=f"tiny Qwen3 trained at {L} tokens, evaluated at {long} (held-out synthetic books)")
+        picture = "and yarn_small.png"
+    except ImportError:  # matplotlib is for the picture only, not a dependency
+        picture = "(no matplotlib: no picture)"
     print(f"\n{'curve':70s} {'mean':>6s} {'last 1/8':>8s}")
     for c in curves:
         print(f"{c['label']:70s} {c['mean']:6.3f} {c['last_eighth']:8.3f}")
-    print(f"wrote {args.out}/yarn_small.json and yarn_small.png in {result['minutes']:.1f} min")
+    print(f"wrote {args.out}/yarn_small.json {picture} in {result['minutes']:.1f} min")
 
 
 if __name__ == "__main__":

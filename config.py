@@ -80,6 +80,9 @@ class TrainConfig:
     keep_attention: bool = flag(True, "keep attention's output + lse instead of recomputing attention in backward")
     keep_attention_layers: int = flag(-1, "keep it for the first N blocks only (-1 = all): the most time per host "
                                       "byte")
+    keep_mlp_layers: int = flag(0, "LoRA: the last N blocks (-1 = all) keep their MLP's gate and up outputs on "
+                                "the GPU for the backward, which then skips those GEMMs (--fit auto: as many as "
+                                "the GPU memory left holds)")
     tiled_mlp: bool = flag(True, "compute the MLP in sequence tiles of mlp_tile rows")
     # 16384: the largest tile that does not raise the step's peak memory (bench/NOTES.md, mlp_tile)
     mlp_tile: int = flag(16384, "rows per MLP tile")
@@ -229,8 +232,11 @@ def check_config(cfg: TrainConfig, world: int):
     need(cfg.doc_attention in ("balanced", "simple"),
          f"--doc_attention {cfg.doc_attention}: use balanced or simple")
     need(cfg.gpu_mem_gib >= 0 and cfg.host_mem_gib >= 0, "--gpu_mem_gib and --host_mem_gib must be >= 0")
-    need(cfg.offload_layers >= -1 and cfg.keep_attention_layers >= -1,
-         "--offload_layers and --keep_attention_layers count blocks: 0 or more, or -1 for every block")
+    need(cfg.offload_layers >= -1 and cfg.keep_attention_layers >= -1 and cfg.keep_mlp_layers >= -1,
+         "--offload_layers, --keep_attention_layers and --keep_mlp_layers count blocks: 0 or more, or -1 for every "
+         "block")
+    need(not cfg.keep_mlp_layers or cfg.lora_rank, "--keep_mlp_layers is a LoRA lever (lora.py): give --lora_rank, "
+         "or leave it 0")
     need(cfg.attn_backend in ("auto", "fa4", "cudnn", "flash"),
          f"--attn_backend {cfg.attn_backend}: use auto, fa4, cudnn or flash")
     need(cfg.cp >= 0, f"--cp {cfg.cp}: must be >= 1 (or 0 for the world size)")

@@ -82,6 +82,16 @@ def open_eval_log(cfg, done: int, device) -> "rundir.JsonlLog | None":
 
 
 def evaluate(cfg, setup, make_batches, step: int, eval_log, log, hold: bool = False) -> tuple[dict, dict | None]:
+    """_evaluate in eval mode (nothing kept for a backward: lora.LoRAMLP's kept MLP outputs), then back."""
+    was = setup.model.training
+    setup.model.eval()
+    try:
+        return _evaluate(cfg, setup, make_batches, step, eval_log, log, hold)
+    finally:
+        setup.model.train(was)
+
+
+def _evaluate(cfg, setup, make_batches, step: int, eval_log, log, hold: bool = False) -> tuple[dict, dict | None]:
     """The loss on the first --eval_sequences windows of --eval_data's --eval_split, overall and over
     --loss_buckets spans of position. setup: train.Setup (mesh, model, mcfg, device); make_batches: train's
     (cfg, setup, source, split, grad_accum) -> data.Batches, the loader training reads through. No block is

@@ -1,4 +1,4 @@
-"""--fit auto: the memory levers (offloaded and kept blocks, MLP tiles) that plan.py predicts to fit this node,
+"""--fit auto: the memory levers (offloaded and kept blocks, MLP tiles, LoRA's kept MLP outputs) that plan.py predicts to fit this node,
 and the check that this node's RAM holds what is offloaded to it.
 
     torchrun --standalone --nproc_per_node 8 train.py --fit auto     # the default: the plan is printed
@@ -26,7 +26,7 @@ def levers(cfg, layers: int) -> plan.Levers:
     def count(on, n):
         return 0 if not on else layers if n < 0 else min(n, layers)
     return plan.Levers(count(cfg.offload, cfg.offload_layers), count(cfg.keep_attention, cfg.keep_attention_layers),
-                       cfg.tiled_mlp, cfg.mlp_tile)
+                       cfg.tiled_mlp, cfg.mlp_tile, count(True, cfg.keep_mlp_layers))
 
 
 def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
@@ -52,6 +52,8 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
         fixed["keep_attention_layers"] = lv.keep_attention_layers
     if given & {"tiled_mlp", "mlp_tile"}:
         fixed.update(tiled_mlp=cfg.tiled_mlp, mlp_tile=cfg.mlp_tile)
+    if "keep_mlp_layers" in given:
+        fixed["keep_mlp_layers"] = lv.keep_mlp_layers
     if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib):
         why = "--fit off" if cfg.fit == "off" else "no recompute" if not cfg.recompute else "CPU"
         return log(f"fit: levers as given ({why})")
@@ -76,7 +78,7 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
             "(--param_dtype bfloat16 --stochastic_rounding true)")
     cfg.offload, cfg.offload_layers = lv.offload_layers > 0, lv.offload_layers
     cfg.keep_attention, cfg.keep_attention_layers = lv.keep_attention_layers > 0, lv.keep_attention_layers
-    cfg.tiled_mlp, cfg.mlp_tile = lv.tiled_mlp, lv.mlp_tile
+    cfg.tiled_mlp, cfg.mlp_tile, cfg.keep_mlp_layers = lv.tiled_mlp, lv.mlp_tile, lv.keep_mlp_layers
     log(f"fit: {caps[0].item():.1f} GiB GPU per rank, {caps[1].item():.0f} GiB host per node -> "
         + plan.describe(lv, cost, shape) + (f" (given: {', '.join(sorted(fixed))})" if fixed else ""))
 

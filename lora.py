@@ -92,8 +92,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         # An NF4Tensor weight is dequantized to x's dtype inside F.linear (torchao's). The adapter's B(A(x) *
-        # alpha/r) is added by the GEMM itself (addmm, beta 1): the scale falls on the [.., rank] intermediate
-        # and y is read and written once, not three times over (bench/NOTES.md, LoRA)
+        # alpha/r) is added by the GEMM itself (addmm_, beta 1): the scale falls on the [.., rank] intermediate
+        # and y is read and written once more, not three times over (bench/NOTES.md, LoRA)
         y, _ = _rows(x.flatten(0, -2), self.weight, self.adapters(), self.scaling)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -105,13 +105,15 @@ def init_adapter(a, b, generator=None):
     b.zero_()
 
 
-def _rows(x, w, ab, s):
-    """A LoRALinear on rows x [t, in]: w the dense frozen weight, ab its (A, B) or () -> (y, x A^T or None)."""
-    y = F.linear(x, w)
+def _rows(x, w, ab, s, out=None):
+    """A LoRALinear on rows x [t, in]: w the frozen weight, ab its (A, B) or () -> (y, x A^T or None); y written
+    into out [t, out] if given (w then dense). The adapter is added in place (addmm_): an out-of-place addmm
+    first copies y into a new tensor, two more passes over [t, out]."""
+    y = F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
     if not ab:
         return y, None
     a = F.linear(x, ab[0])
-    return torch.addmm(y, a * s, ab[1].t()), a
+    return y.addmm_(a * s, ab[1].t()), a
 
 
 def _rows_backward(dy, x, w, ab, s, acc, dx, a=None, add=False):
@@ -134,35 +136,56 @@ class _TiledLoRAMLP(torch.autograd.Function):
     """LoRAMLP over tiles of rows, its backward written out as model._TiledMLP's: per tile the gate and up
     projections recomputed (the down projection's output is never needed), the SwiGLU's gradient in one fused
     kernel, dX through the frozen weights, and the adapters' gradients summed in fp32 and rounded once. An NF4
-    weight is dequantized once for the whole backward, not at each tile. parts: per projection (gate, up, down),
-    its weight, then its A and B if it has an adapter."""
+    weight is dequantized once per pass, not at each tile. parts: per projection (gate, up, down), its weight,
+    then its A and B if it has an adapter.
+
+    keep (the lever LoRAMLP.keep): the forward writes gate's and up's outputs [T, I] whole and keeps them for the
+    backward, which then skips their GEMMs: 4 x T x hidden x I FLOPs less, for 2 x T x I values held from the
+    forward to the backward. keep "node": an ordinary autograd forward, this node's backward follows; "module": a
+    recomputed block's forward (under no_grad, model._RecomputedBlock), so they wait on the module (mlp.kept)
+    until the backward's recompute (value_is_read False) takes them."""
 
     @staticmethod
-    def forward(ctx, x, tile, value_is_read, mlp, *parts):
-        ctx.tile, ctx.mlp = tile, mlp
+    def forward(ctx, x, tile, value_is_read, keep, mlp, *parts):
+        ctx.tile, ctx.mlp, ctx.kept = tile, mlp, None
         ctx.save_for_backward(x, *parts)
-        if not value_is_read:  # a recomputed block's backward: only the graph is used (as in _TiledMLP)
-            return x.new_empty(x.shape)
         rows = x.reshape(-1, x.shape[-1])
-        return torch.cat([mlp.swiglu(xt) for xt in rows.split(tile)]).view(x.shape)
+        if not value_is_read:  # a recomputed block's backward: only the graph is used (as in _TiledMLP), and
+            kept, mlp.kept = mlp.kept, None  # gate's and up's outputs serve its backward if the forward kept them
+            if kept is not None and kept[0].shape[0] == rows.shape[0] and kept[0].device == rows.device:
+                ctx.kept = kept
+            return x.new_empty(x.shape)
+        mlp.kept = None
+        (wg, *g_ab), (wu, *u_ab), (wd, *d_ab) = _projections(mlp, parts, x.dtype)
+        sg, su, sd = (getattr(mlp, name).scaling for name in MLP_PROJECTIONS)
+        y, n = torch.empty_like(rows), -(-rows.shape[0] // tile)
+        g, u = (rows.new_empty(rows.shape[0], wg.shape[0]) for _ in "gu") if keep else (None, None)
+        gs, us = (g.split(tile), u.split(tile)) if keep else ([None] * n, [None] * n)
+        for xt, yt, gt, ut in zip(rows.split(tile), y.split(tile), gs, us):
+            gt, ut = _rows(xt, wg, g_ab, sg, gt)[0], _rows(xt, wu, u_ab, su, ut)[0]
+            _rows(fused(_silu_mul, gt)(gt, ut), wd, d_ab, sd, yt)
+        if keep == "node":
+            ctx.kept = (g, u)
+        elif keep == "module":
+            mlp.kept = (g, u)
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x, *parts = ctx.saved_tensors
         rows, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
-        projections, groups = [getattr(ctx.mlp, name) for name in MLP_PROJECTIONS], []
-        for m in projections:  # parts, regrouped: (weight, *adapters) per projection
-            n = 3 if m.rank else 1
-            groups.append(parts[:n])
-            parts = parts[n:]
-        (wg, *g_ab), (wu, *u_ab), (wd, *d_ab) = groups
-        wg, wu, wd = (dense(w, x.dtype) for w in (wg, wu, wd))
-        sg, su, sd = (m.scaling for m in projections)
+        (wg, *g_ab), (wu, *u_ab), (wd, *d_ab) = _projections(ctx.mlp, parts, x.dtype)
+        sg, su, sd = (getattr(ctx.mlp, name).scaling for name in MLP_PROJECTIONS)
         acc = [[torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in ab]
                for ab in (g_ab, u_ab, d_ab)]
-        dx = torch.empty_like(rows)
-        for xt, dyt, dxt in zip(rows.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
-            (g, ag), (u, au) = _rows(xt, wg, g_ab, sg), _rows(xt, wu, u_ab, su)   # [t, I], [t, r]
+        dx, n = torch.empty_like(rows), -(-rows.shape[0] // ctx.tile)
+        kept, ctx.kept = ctx.kept, None
+        gs, us = (kept[0].split(ctx.tile), kept[1].split(ctx.tile)) if kept else ([None] * n, [None] * n)
+        for xt, dyt, dxt, gk, uk in zip(rows.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile), gs, us):
+            if gk is None:
+                (g, ag), (u, au) = _rows(xt, wg, g_ab, sg), _rows(xt, wu, u_ab, su)   # [t, I], [t, r]
+            else:  # kept by the forward; x A^T is made again where needed (a rank-r GEMM)
+                (g, ag), (u, au) = (gk, None), (uk, None)
             h = fused(_silu_mul, g)(g, u)
             dh = torch.empty_like(h)
             _rows_backward(dyt, h, wd, d_ab, sd, acc[2], dh)                      # dh = dy W_down (+ adapter)
@@ -172,7 +195,17 @@ class _TiledLoRAMLP(torch.autograd.Function):
         grads = []  # per projection: none for the frozen weight, then its adapters', rounded once
         for ab, ga in zip((g_ab, u_ab, d_ab), acc):
             grads += [None, *(a.to(t.dtype) for t, a in zip(ab, ga))]
-        return dx.view(x.shape), None, None, None, *grads
+        return dx.view(x.shape), None, None, None, None, *grads
+
+
+def _projections(mlp, parts, dtype) -> list:
+    """_TiledLoRAMLP's parts regrouped per projection (gate, up, down): [(dense weight, *adapters)]."""
+    groups = []
+    for name in MLP_PROJECTIONS:
+        k = 3 if getattr(mlp, name).rank else 1
+        groups.append((dense(parts[0], dtype), *parts[1:k]))
+        parts = parts[k:]
+    return groups
 
 
 def dense(w, dtype):
@@ -190,17 +223,32 @@ class LoRAMLP(nn.Module):
             setattr(self, name, LoRALinear(getattr(mlp, name), rank if name in targets else 0, alpha, nf4,
                                            base_dtype))
         self.tile = mlp.tile
+        self.keep = False  # a lever (keep_mlp): keep gate's and up's outputs from the forward for the backward
+        self.kept = None   # ... those of the last recomputed block's forward, until its backward takes them
 
     def swiglu(self, x):
         return self.down_proj(fused(_silu_mul, x)(self.gate_proj(x), self.up_proj(x)))
 
     def forward(self, x, value_is_read=True):
-        if self.tile and x.shape[-2] > self.tile:
+        rows = x.shape[:-1].numel()
+        if self.keep or (self.tile and x.shape[-2] > self.tile):
             parts = []  # per projection: its weight, then its adapters
             for m in (self.gate_proj, self.up_proj, self.down_proj):
                 parts += [m.weight, *m.adapters()]
-            return _TiledLoRAMLP.apply(x, self.tile, value_is_read, self, *parts)
+            tile = self.tile if self.tile and x.shape[-2] > self.tile else rows
+            # kept in training only (an evaluation, in eval mode, has no backward to serve)
+            keep = ("node" if torch.is_grad_enabled() else "module") if self.keep and self.training else ""
+            return _TiledLoRAMLP.apply(x, tile, value_is_read, keep, self, *parts)
         return self.swiglu(x)
+
+
+def keep_mlp(model, layers: int):
+    """-> model. The lever keep_mlp: the last `layers` blocks' LoRAMLPs keep gate's and up's outputs for the backward (on
+    the GPU, never offloaded: 2 x T x intermediate values each); the last ones, whose backward comes first."""
+    for block in model.layers:
+        if isinstance(block.mlp, LoRAMLP):
+            block.mlp.keep = block.index >= len(model.layers) - layers
+    return model
 
 
 class InputEmbedding(nn.Module):

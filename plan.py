@@ -14,7 +14,8 @@ A plain arithmetic model, one function per quantity, with a few constants fitted
   per-token-per-layer term for everything else (norms, RoPE, SwiGLU, copies). The ring's overhead is left out:
   it measured 97-103% of the ideal split (bench/NOTES.md).
 Levers per block: the first `offload_layers` blocks keep their tensors in pinned host memory, the first
-`keep_attention_layers` keep attention's output + lse (so their backward skips attention's forward).
+`keep_attention_layers` keep attention's output + lse (so their backward skips attention's forward); with LoRA,
+the last `keep_mlp_layers` keep their MLP's gate and up outputs on the GPU (so their backward skips those GEMMs).
 
 The FLOPs of a step are written here once: train.py's MFU counts useful_flops, the cost model the same pieces
 with the work the GPU really does (see useful_flops).
@@ -71,6 +72,7 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0),  # kernel benchmark
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
+ADAPTER_RECOMPUTE = 0.3 / 1.3  # the recompute's forward's share of an adapter's time (adapter_ps_per_token_width)
 NF4_BYTES = 0.5 + 1 / 64 + 2 / (64 * 256)  # torchao's NF4: 4 bits, an int8 absmax per 64, a bf16 factor per 256 of them
 LORA_HINT_RANK = 16  # the rank --fit auto suggests when only LoRA would fit
 
@@ -193,6 +195,7 @@ class Levers:
     keep_attention_layers: int   # blocks (the first ones) that keep attention's output + lse; 0 = none
     tiled_mlp: bool = True
     mlp_tile: int = 16384
+    keep_mlp_layers: int = 0     # LoRA: blocks (the last ones) that keep gate's and up's outputs on the GPU
 
 
 @dataclass(frozen=True)
@@ -234,13 +237,17 @@ def attention_flops(s: Shape, lv: Levers) -> float:
     return attention_fwd_flops(s) / s.cp * (1 + 2.5 + recomputed) * s.attn_area
 
 
-def gemm_flops(s: Shape) -> float:
+def gemm_flops(s: Shape, lv: Levers | None = None) -> float:
     """GEMM FLOPs one rank runs in a step: the blocks' forward, backward (2x) and the recompute's forward; the
     head's forward and backward, never recomputed (the loss runs it once). With LoRA the frozen weights get no
     gradient (the backward's dX GEMM alone: blocks 3x, head 2x), and the adapters all four passes (their time is
-    mostly memory traffic: adapter_seconds)."""
+    mostly memory traffic: adapter_seconds); a block that keeps its MLP's gate and up outputs does not run them
+    again in its backward (nor their adapters' B products). The tiled MLP's backward does not run the down
+    projection's forward again either: left in the count, as in the runs the GEMM rate was fitted to."""
     if s.lora_rank:
-        return 2 * s.tokens * (3 * s.blocks_matmul_params + 2 * s.hidden * s.vocab + 4 * s.lora_params)
+        adapted = sum(t in s.lora_targets for t in ("gate_proj", "up_proj"))
+        kept = (lv.keep_mlp_layers if lv else 0) * (2 * s.hidden + adapted * s.lora_rank) * s.intermediate
+        return 2 * s.tokens * (3 * s.blocks_matmul_params + 2 * s.hidden * s.vocab + 4 * s.lora_params - kept)
     return 2 * s.tokens * (4 * s.blocks_matmul_params + 3 * s.hidden * s.vocab)
 
 
@@ -250,6 +257,11 @@ def kept_bytes(s: Shape):
     """Per block, for this rank's tokens: (its input, attention's output, attention's fp32 lse), each a tensor."""
     return (s.tokens * s.hidden * s.act_bytes, s.tokens * s.heads * s.head_dim * s.act_bytes,
             s.tokens * s.heads * 4)
+
+
+def kept_mlp_bytes(s: Shape) -> int:
+    """Per block that keeps its MLP's gate and up outputs (LoRA): the two [tokens, intermediate] tensors."""
+    return 2 * s.tokens * s.intermediate * s.act_bytes
 
 
 def host_bytes(s: Shape, lv: Levers, pinned: bool = True) -> float:
@@ -276,7 +288,8 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     work = k.work_bytes_per_token_hidden * s.hidden * s.tokens
     if s.cp > 1:
         work += k.ring_bytes_per_token_qdim * s.heads * s.head_dim * s.tokens
-    on_gpu = (s.layers - lv.offload_layers) * x + max(lv.keep_attention_layers - lv.offload_layers, 0) * attn
+    on_gpu = ((s.layers - lv.offload_layers) * x + max(lv.keep_attention_layers - lv.offload_layers, 0) * attn
+              + lv.keep_mlp_layers * kept_mlp_bytes(s))
     mlp = 0
     if not lv.tiled_mlp and s.tokens > lv.mlp_tile:  # the four [T, intermediate] tensors whole, not a tile's; for
         # a MoE block the same four [T*top_k, moe_intermediate] and the routed rows and outputs [T*top_k, hidden]
@@ -307,18 +320,26 @@ def routed_slots(s: Shape) -> int:
     return s.sparse_layers * s.tokens * s.top_k
 
 
-def adapter_seconds(s: Shape, k: Constants = FITTED) -> float:
+def adapter_seconds(s: Shape, lv: Levers | None = None, k: Constants = FITTED) -> float:
     """LoRA's adapters and NF4's dequantizations in a step, beyond what gemm_flops times: each adapter reads its
     projection's input and output (and their gradients) a few times over in skinny GEMMs bound by memory, a time
-    proportional to tokens x (in + out); each NF4 weight is dequantized at each pass. 0 for a full fine-tune."""
-    widths = s.lora_params / s.lora_rank if s.lora_rank else 0  # in + out, summed over the adapted projections
-    return k.adapter_ps_per_token_width * 1e-12 * s.tokens * widths + k.nf4_s_per_gparam * s.nf4_params / 1e9
+    proportional to tokens x (in + out), of which the recompute's forward is ADAPTER_RECOMPUTE (gate's and up's
+    not run in the blocks that keep their outputs); each NF4 weight is dequantized at each pass. 0 for a full
+    fine-tune."""
+    if not s.lora_rank:
+        return 0.0
+    widths = s.lora_params / s.lora_rank  # in + out, summed over the adapted projections
+    kept = sum(projection_widths(s)[t] for t in ("gate_proj", "up_proj") if t in s.lora_targets) * (
+        lv.keep_mlp_layers if lv else 0)
+    return (k.adapter_ps_per_token_width * 1e-12 * s.tokens * (widths - ADAPTER_RECOMPUTE * kept)
+            + k.nf4_s_per_gparam * s.nf4_params / 1e9)
 
 
 def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
-    return (attention_flops(s, lv) / (k.attn_tflops[s.attn_backend] * 1e12) + gemm_flops(s) / (k.gemm_tflops * 1e12)
+    return (attention_flops(s, lv) / (k.attn_tflops[s.attn_backend] * 1e12)
+            + gemm_flops(s, lv) / (k.gemm_tflops * 1e12)
             + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 + k.sr_s_per_gparam * sr_gparams(s)
-            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6 + adapter_seconds(s, k))
+            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6 + adapter_seconds(s, lv, k))
 
 
 def forward_seconds(s: Shape, k: Constants = FITTED) -> float:
@@ -349,10 +370,13 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
     levers the user set, which win.
 
     Time depends only on how many blocks keep attention, so the fastest plans keep the most; offloading more
-    blocks lowers the peak until the gradients, not the kept tensors, set it (gpu_bytes)."""
+    blocks lowers the peak until the gradients, not the kept tensors, set it (gpu_bytes). With LoRA (dense
+    models) the GPU memory that plan leaves then goes to blocks that keep their MLP's gate and up outputs, each
+    a few tenths of a percent of the step for 2 x T x intermediate values: the most that fit."""
     fixed = fixed or {}
     gpu_cap, host_cap = GPU_MARGIN * gpu_gib * 2**30, HOST_MARGIN * host_gib_per_node * 2**30 / s.ranks_per_node
-    base = Levers(s.layers, s.layers, fixed.get("tiled_mlp", True), fixed.get("mlp_tile", 16384))
+    base = Levers(s.layers, s.layers, fixed.get("tiled_mlp", True), fixed.get("mlp_tile", 16384),
+                  fixed.get("keep_mlp_layers", 0))
     keeps = [fixed["keep_attention_layers"]] if "keep_attention_layers" in fixed else range(s.layers, -1, -1)
     offs = [fixed["offload_layers"]] if "offload_layers" in fixed else range(0, s.layers + 1)
     fits = [lv for lv in (replace(base, offload_layers=off, keep_attention_layers=keep) for keep in keeps
@@ -361,6 +385,14 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         fastest = min(step_seconds(s, lv, k) for lv in fits)
         near = [lv for lv in fits if step_seconds(s, lv, k) <= fastest * (1 + TIME_SLACK)]
         best = min(near, key=lambda lv: (gpu_bytes(s, lv, k), step_seconds(s, lv, k), host_bytes(s, lv)))
+        if s.lora_rank and not s.sparse_layers and "keep_mlp_layers" not in fixed:
+            # then the GPU memory left buys back the MLP's recompute: as many blocks as fit keep gate and up,
+            # beside the two offloaded blocks' tensors a backward has on the GPU (the block in backward and the
+            # one fetched ahead), which the working set fitted to full fine-tunes leaves out (bench/NOTES.md)
+            x, out, lse = kept_bytes(s)
+            pair = 2 * (x + out + lse) if best.offload_layers else 0
+            n = [n for n in range(s.layers + 1) if gpu_bytes(s, replace(best, keep_mlp_layers=n), k) + pair <= gpu_cap]
+            best = replace(best, keep_mlp_layers=max(n, default=0))
         return best, predict(s, best, k)
     nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1])
     c = predict(s, nearest, k)
@@ -396,8 +428,9 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
 
 
 def describe(lv: Levers, c: Cost, s: Shape) -> str:
+    mlp = f", keep_mlp_layers {lv.keep_mlp_layers}/{s.layers}" if s.lora_rank else ""
     return (f"offload_layers {lv.offload_layers}/{s.layers}, keep_attention_layers {lv.keep_attention_layers}/"
-            f"{s.layers}, tiled_mlp {lv.tiled_mlp} -> predicted {c.step_s:.1f} s/step, {c.gpu_gib:.1f} GiB GPU per "
+            f"{s.layers}{mlp}, tiled_mlp {lv.tiled_mlp} -> predicted {c.step_s:.1f} s/step, {c.gpu_gib:.1f} GiB GPU per "
             f"rank, {c.host_gib:.1f} GiB pinned host per rank ({c.host_gib * s.ranks_per_node:.0f} GiB per node)")
 
 

@@ -164,6 +164,8 @@ def build_model(cfg: TrainConfig, given: set, mesh, attn_fn, device, log):
     model.set_levers(recompute=cfg.recompute, offload=lv.offload_layers > 0, offload_layers=lv.offload_layers,
                      keep_attention=lv.keep_attention_layers > 0, keep_attention_layers=lv.keep_attention_layers,
                      mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0)
+    if cfg.lora_rank:
+        lora.keep_mlp(model, lv.keep_mlp_layers)
     # FSDP2 over every rank, gathering the param_dtype shards as --dtype for compute. Its mesh is the world group
     # as it is, not a flattened (dp, cp) mesh: that makes a process group whose teardown at exit can abort a gloo
     # rank (bench/NOTES.md, train.py)

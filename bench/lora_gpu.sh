@@ -6,6 +6,9 @@
 #   bash bench/lora_gpu.sh 131k OUT        # one LoRA projection's forms (bench/lora_linear.py), then LoRA (3 steps,
 #                                          # the 2nd and 3rd timed) and QLoRA (2 steps) at 131,072 tokens
 #   bash bench/lora_gpu.sh lora131k OUT   # LoRA alone at 131,072 tokens (3 steps)
+#   bash bench/lora_gpu.sh kept131k OUT   # bench/lora_linear.py, then LoRA at 131,072 tokens (3 steps); if it
+#                                          # fails, again with --keep_mlp_layers 8 (2 steps)
+#   bash bench/lora_gpu.sh qlora131k OUT  # QLoRA alone at 131,072 tokens (2 steps)
 #   bash bench/lora_gpu.sh retrieval OUT   # bench/retrieval_cost.py at 131,072 tokens
 #   bash bench/lora_gpu.sh longest80 OUT   # LoRA at 393,216 tokens planned for an 80 GB GPU (--gpu_mem_gib 74.5)
 #   bash bench/lora_gpu.sh longest OUT     # LoRA at 524,288 tokens on the whole GPU: one step is longer than a
@@ -58,6 +61,17 @@ tests)
 lora131k)
     run lora_131k 300 --seq_len 131072 --max_steps 3 --lora_rank 16
     ;;
+kept131k)  # the adapter forms, then LoRA at 131k as --fit auto plans it (kept MLP outputs in the GPU memory left),
+    # and, if that run fails, with 8 blocks keeping them
+    timeout 100 python bench/lora_linear.py --tokens 131072 --out "$OUT/lora_linear.json" > "$OUT/lora_linear.log" 2>&1
+    echo "lora_linear rc $?" >> "$OUT/rc.txt"; cat "$OUT/lora_linear.log"
+    run lora_131k 300 --seq_len 131072 --max_steps 3 --lora_rank 16
+    grep -q "lora_131k rc 0" "$OUT/rc.txt" || run lora_131k_keep8 200 --seq_len 131072 --max_steps 2 --lora_rank 16 \
+        --keep_mlp_layers 8
+    ;;
+qlora131k)
+    run qlora_131k 280 --seq_len 131072 --max_steps 2 --lora_rank 16 --quantize nf4
+    ;;
 retrieval)
     clean_gpu
     timeout 400 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/retrieval_cost.py \
@@ -88,5 +102,5 @@ profile)
     tail -45 "$OUT/profile_lora_131k.log"
     ;;
 *)
-    echo "usage: bash bench/lora_gpu.sh tests|131k|lora131k|retrieval|longest80|longest|collect|profile OUT" >&2; exit 2 ;;
+    echo "usage: bash bench/lora_gpu.sh tests|131k|lora131k|kept131k|qlora131k|retrieval|longest80|longest|collect|profile OUT" >&2; exit 2 ;;
 esac

@@ -1,9 +1,10 @@
-"""One LoRA projection at long context, forward and backward, in two forms, on the GPU:
+"""One LoRA projection at long context, forward and backward, in three forms, on the GPU:
 
 - `separate`: y = x W^T + B(A(x)) * alpha/r, as PEFT writes it: three elementwise passes over [T, out] (the
   product's output, its scaling, the sum) and, backward, a scaling pass over dy;
-- `addmm` (lora.LoRALinear): y = addmm(x W^T, A(x) * alpha/r, B^T): the scale on the [T, r] intermediate, the sum
-  in the GEMM's epilogue;
+- `addmm`: y = addmm(x W^T, A(x) * alpha/r, B^T): the scale on the [T, r] intermediate, the sum in the GEMM's
+  epilogue; out of place, so torch first copies x W^T into the result;
+- `inplace` (lora.LoRALinear): the same, y.addmm_(...): no copy;
 
 beside the frozen projection alone (forward, and the backward's dX GEMM). Qwen3-8B's widths, bf16, rank 16, the
 frozen weight without gradient, the adapters and x with. Median of --repeat after a warm-up, CUDA events.
@@ -25,6 +26,11 @@ def separate(x, w, a, b, s):
 def addmm(x, w, a, b, s):
     y = F.linear(x, w)
     return torch.addmm(y.flatten(0, -2), (F.linear(x, a) * s).flatten(0, -2), b.t()).view(y.shape)
+
+
+def inplace(x, w, a, b, s):
+    x2 = x.flatten(0, -2)  # as LoRALinear: rows first, so that addmm_ writes a tensor that is not a view
+    return F.linear(x2, w).addmm_(F.linear(x2, a) * s, b.t()).view(*x.shape[:-1], w.shape[0])
 
 
 def frozen(x, w, a, b, s):
@@ -65,13 +71,15 @@ def main():
         dy = torch.randn(1, a_.tokens, n_out, device="cuda", dtype=torch.bfloat16, generator=g)
         with torch.no_grad():  # the two forms compute the same function
             ref = separate(x.double(), w.double(), a.double(), b.double(), s)
-            err = [((f(x, w, a, b, s).double() - ref).norm() / ref.norm()).item() for f in (separate, addmm)]
+            err = [((f(x, w, a, b, s).double() - ref).norm() / ref.norm()).item() for f in (separate, addmm, inplace)]
         row = dict(n_in=n_in, n_out=n_out, tokens=a_.tokens, rank=a_.rank, rel_err_separate=err[0],
-                   rel_err_addmm=err[1], **{f"{f.__name__}_ms": timed(f, x, w, a, b, s, dy, a_.repeat)
-                                            for f in (frozen, separate, addmm)})
+                   rel_err_addmm=err[1], rel_err_inplace=err[2],
+                   **{f"{f.__name__}_ms": timed(f, x, w, a, b, s, dy, a_.repeat)
+                      for f in (frozen, separate, addmm, inplace)})
         rows.append(row)
         print(f"{n_in:5d} -> {n_out:5d}: frozen {row['frozen_ms']:.2f} ms, separate {row['separate_ms']:.2f} ms, "
-              f"addmm {row['addmm_ms']:.2f} ms (rel err vs fp64 {err[0]:.1e} / {err[1]:.1e})", flush=True)
+              f"addmm {row['addmm_ms']:.2f} ms, inplace {row['inplace_ms']:.2f} ms (rel err vs fp64 "
+              + " / ".join(f"{e:.1e}" for e in err) + ")", flush=True)
         del x, w, a, b, dy, ref
     with open(a_.out, "w") as fh:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), fh, indent=1)

@@ -143,8 +143,18 @@ def assert_matches(loss, grads, ref_loss, ref_grads):
         assert rel(grads[n], g) < 1e-5, (n, rel(grads[n], g))
 
 
-LEVERS = {"none": dict(recompute=False),
-          "all": dict(recompute=True, offload=True, keep_attention=True, mlp_tile=7)}
+LEVERS = {  # name: (Qwen3.set_levers' arguments, blocks (the last ones) that keep gate's and up's outputs)
+    "none": (dict(recompute=False), 0),
+    "all": (dict(recompute=True, offload=True, keep_attention=True, mlp_tile=7), 1),  # one block keeps, one not
+    "kept-mlp-no-recompute": (dict(recompute=False), 2),  # kept by an ordinary autograd node, in one tile
+}
+
+
+def levered(m, name):
+    """m with the levers LEVERS[name]."""
+    args, kept_mlp = LEVERS[name]
+    lora.keep_mlp(m.set_levers(**args), kept_mlp)
+    return m
 
 
 @pytest.mark.parametrize("levers", list(LEVERS))
@@ -154,7 +164,7 @@ def test_matches_peft(tmp_path, group_of_one, levers, targets):
     """One process, two micro-batches (one sequence, one packed window): loss, logits and every adapter's gradient
     equal PEFT's in fp32; the recomputed blocks, offload, kept attention and the tiled MLP change nothing."""
     m, pm = model_and_peft(tmp_path, targets)
-    m.set_levers(**LEVERS[levers])
+    levered(m, levers)
     m.attn_fn = RingAttention(group_of_one, schedule=documents.schedule)  # kept attention needs fwd/bwd halves
     wins = windows(2)
     assert_matches(*ours(m, wins), *peft_reference(pm, wins))
@@ -190,7 +200,7 @@ def test_the_frozen_embedding_output_is_not_held_to_the_end_of_the_backward(monk
     """The embedding's output starts the graph (lora.InputEmbedding) without becoming a leaf: with every block
     offloaded it is freed once the forward is done (a leaf would stay until the backward ends, [T, hidden] at the
     GPU's peak: 1 GiB at 131k on Qwen3-8B, bench/NOTES.md), and the first block's adapters still get gradients."""
-    m = adapted(random_model(tiny())).set_levers(**LEVERS["all"])
+    m = levered(adapted(random_model(tiny())), "all")
     made, embedding = [], F.embedding
     monkeypatch.setattr(lora.F, "embedding", lambda *a, **k: made.append(embedding(*a, **k)) or made[-1])
     ids, labels, pos, docs = windows(1)[0]
@@ -200,6 +210,37 @@ def test_the_frozen_embedding_output_is_not_held_to_the_end_of_the_backward(monk
     (s / n).backward()
     first = [p.grad for name, p in m.named_parameters() if name.startswith("layers.0.") and lora.is_adapter(name)]
     assert len(first) == 14 and all(g is not None and g.abs().sum() > 0 for g in first)
+
+
+def test_kept_mlp_outputs_change_nothing_but_the_recompute(monkeypatch):
+    """lora.keep_mlp: blocks that keep gate's and up's outputs give the loss and gradients bit for bit of blocks
+    that recompute them, without running those two projections again in the backward; what is kept waits on the
+    module from the recomputed forward to its backward and is let go there; an evaluation (eval mode) keeps
+    nothing."""
+    def run(kept):
+        m = lora.keep_mlp(adapted(random_model(tiny())).set_levers(recompute=True, offload=True, mlp_tile=7), kept)
+        calls, linear = [], F.linear  # the weights of the x W^T products (the backward's recompute runs them)
+        monkeypatch.setattr(lora.F, "linear", lambda x, w, *a: calls.append(w.shape) or linear(x, w, *a))
+        s, n = m(*(t[None] for t in windows(1)[0][:3]))
+        mlps = [b.mlp for b in m.layers]
+        held = [mlp.kept is not None for mlp in mlps]
+        forward = len(calls)
+        (s / n).backward()
+        assert all(mlp.kept is None for mlp in mlps)
+        gate_up = sum(shape == (72, 40) for shape in calls[forward:])  # the frozen gate and up weights, [I, H]
+        monkeypatch.undo()
+        return s, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, held, gate_up, m
+    loss, grads, held, gate_up, _ = run(0)
+    loss2, grads2, held2, gate_up2, m = run(2)
+    assert held == [False, False] and held2 == [True, True]
+    assert gate_up == 2 * 2 * 6 and gate_up2 == 0  # 2 blocks x (gate, up) x 6 tiles of 7 rows in 40
+    assert torch.equal(loss, loss2) and grads.keys() == grads2.keys()
+    for n in grads:
+        assert torch.equal(grads[n], grads2[n]), n
+    m.eval()
+    with torch.no_grad():
+        m(windows(1)[0][0][None])
+    assert all(b.mlp.kept is None for b in m.layers)
 
 
 # --- FSDP2 and the ring: cp 2 and 4, dp 2, grad_accum 2 -------------------------------------------------
@@ -218,7 +259,7 @@ def _rank_main(rank, world, port, out_dir):
         results = []
         for cp, accum, levers in CASES[world]:
             mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
-            m = adapted(random_model(tiny())).set_levers(**LEVERS[levers])
+            m = levered(adapted(random_model(tiny())), levers)
             m.attn_fn = RingAttention(mesh.get_group("cp"), schedule=documents.schedule)
             parallel.shard_model(m, DeviceMesh.from_group(dist.group.WORLD, "cpu"), param_dtype=torch.float32)
             wins = windows(world // cp * accum)
@@ -337,7 +378,7 @@ def test_qlora_is_lora_on_the_dequantized_model(group_of_one):
     assert not any(n.endswith("proj.weight") for n in q.state_dict()) and "NF4" in lora.describe(q)
     assert all(type(m.weight).__name__ == "NF4Tensor" for m in q.modules() if isinstance(m, lora.LoRALinear))
     for m in (q, d):
-        m.set_levers(recompute=True, offload=True, keep_attention=True, mlp_tile=7)
+        levered(m, "all")
         m.attn_fn = RingAttention(group_of_one, schedule=documents.schedule)
     wins = windows(2)
     loss, grads = ours(q, wins)

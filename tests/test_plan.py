@@ -312,12 +312,41 @@ def test_lora_matmul_flops_are_what_torch_counts():
     targets = ("q_proj", "o_proj", "up_proj", "down_proj")
     lora.apply(m, 3, targets=targets).set_levers(recompute=True)
     ids = torch.randint(0, cfg.vocab_size, (1, 46), generator=torch.Generator().manual_seed(1))
-    with FlopCounterMode(display=False) as counter:
+    # torch counts no FLOPs for the in-place addmm_ that adds each adapter's product: given here as addmm's
+    inplace = {torch.ops.aten.addmm_: lambda c, a, b, out_shape=None, **kw: 2 * a[0] * a[1] * b[1]}
+    with FlopCounterMode(display=False, custom_mapping=inplace) as counter:
         s, _ = m(ids, labels=ids, loss_chunk=16)
         s.backward()
     shp = plan.Shape.of(cfg, 46, 1, 1, 1, lora_rank=3, lora_targets=targets)
     assert counter.get_total_flops() == plan.gemm_flops(shp)
     assert plan.gemm_flops(shp) < 0.8 * plan.gemm_flops(plan.Shape.of(cfg, 46, 1, 1, 1))
+    counts = []  # tiled (the down projection's forward is not run again), then the last block keeping gate and up
+    for kept in (0, 1):
+        lora.keep_mlp(m.set_levers(recompute=True, mlp_tile=16), kept)
+        with FlopCounterMode(display=False, custom_mapping=inplace) as counter:
+            s, _ = m(ids, labels=ids, loss_chunk=16)
+            s.backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] - counts[1] == plan.gemm_flops(shp) - plan.gemm_flops(shp, plan.Levers(0, 0, keep_mlp_layers=1))
+
+
+def test_lora_spends_the_gpu_memory_left_on_kept_mlp_outputs():
+    """--fit auto with LoRA: the plan that would be chosen without the lever, then as many blocks keeping gate's
+    and up's outputs as fit beside the two offloaded blocks in flight; none where memory is tight, none for a
+    full fine-tune, and the command line's count wins."""
+    cfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
+    s = plan.Shape.of(cfg, 131072, 1, 1, 1, attn_backend="fa4").lora_shape()
+    lv, cost = plan.choose(s, 139.2, 126)
+    x, out, lse = plan.kept_bytes(s)
+    cap, pair = plan.GPU_MARGIN * 139.2 * 2**30, 2 * (x + out + lse)
+    assert (lv.offload_layers, lv.keep_attention_layers) == (36, 36) and 10 <= lv.keep_mlp_layers < 36
+    assert plan.gpu_bytes(s, lv) + pair <= cap < plan.gpu_bytes(s, plan.replace(lv, keep_mlp_layers=lv.keep_mlp_layers + 1)) + pair
+    without = plan.predict(s, plan.replace(lv, keep_mlp_layers=0))
+    assert cost.step_s < without.step_s - 0.03 * lv.keep_mlp_layers and cost.host_gib == without.host_gib
+    assert plan.choose(plan.replace(s, seq_len=393216), 74.5, 126)[0].keep_mlp_layers == 0
+    assert plan.choose(s, 139.2, 126, {"keep_mlp_layers": 3})[0].keep_mlp_layers == 3
+    assert plan.choose(plan.Shape.of(cfg, 131072, 1, 1, 1, attn_backend="fa4", param_bytes=2,
+                                     stochastic_rounding=True), 139.2, 126)[0].keep_mlp_layers == 0
 
 
 def test_no_fit_names_lora_qlora_and_a_length_that_fit():

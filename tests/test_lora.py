@@ -429,6 +429,7 @@ def test_flags_are_checked_before_any_work():
     assert "--lora_rank" in error(merge_lora=True)
     assert "comma list of q_proj" in error(lora_rank=8, lora_targets="q_proj,lm_head")
     assert "use nf4" in error(lora_rank=8, quantize="int8")
+    assert "LoRA lever" in error(keep_mlp_layers=4) and "count blocks" in error(lora_rank=8, keep_mlp_layers=-2)
     config.check_config(config.TrainConfig(device="cpu", seq_len=256, lora_rank=8, quantize="nf4"), 1)  # passes
     assert lora.apply(random_model(tiny()), 8).layers[0].mlp.up_proj.scaling == 2.0  # alpha 0: 2 x rank
 
@@ -436,15 +437,15 @@ def test_flags_are_checked_before_any_work():
 # --- train.py: QLoRA killed and resumed ---------------------------------------------------------------
 
 def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
-    """train.py --lora_rank 4 --quantize nf4 on 2 ranks (cp 2, the tiled MLP, kept attention): killed mid-step and
-    relaunched, it gives the uninterrupted run's losses and grad norms bit for bit; its checkpoints hold the
-    adapters and their AdamW states only. The uninterrupted run's PEFT folder over the dequantized base and the
+    """train.py --lora_rank 4 --quantize nf4 on 2 ranks (cp 2, the tiled MLP, kept attention, the last block keeping
+    its MLP outputs): killed mid-step and relaunched, it gives the uninterrupted run's losses and grad norms bit
+    for bit; its checkpoints hold the adapters and their AdamW states only. The uninterrupted run's PEFT folder over the dequantized base and the
     resumed run's merged export give the same logits (the same adapters, exported both ways)."""
     import peft
     import transformers
     from test_long_runs import assert_same_run, launch, rows, steps
     args = ["--max_steps", "4", "--ckpt_every", "2", "--lora_rank", "4", "--quantize", "nf4", "--tiled_mlp", "true",
-            "--mlp_tile", "50"]
+            "--mlp_tile", "50", "--keep_mlp_layers", "1"]
     p = launch(2, tmp_path / "ref", *args, "--save_dir", str(tmp_path / "adapter"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "the base frozen in NF4" in p.stdout

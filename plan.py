@@ -372,7 +372,8 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
     Time depends only on how many blocks keep attention, so the fastest plans keep the most; offloading more
     blocks lowers the peak until the gradients, not the kept tensors, set it (gpu_bytes). With LoRA (dense
     models) the GPU memory that plan leaves then goes to blocks that keep their MLP's gate and up outputs, each
-    a few tenths of a percent of the step for 2 x T x intermediate values: the most that fit."""
+    a few tenths of a percent of the step for 2 x T x intermediate values: the most that fit, if together they
+    save more than TIME_SLACK of the step (else the headroom is worth more)."""
     fixed = fixed or {}
     gpu_cap, host_cap = GPU_MARGIN * gpu_gib * 2**30, HOST_MARGIN * host_gib_per_node * 2**30 / s.ranks_per_node
     base = Levers(s.layers, s.layers, fixed.get("tiled_mlp", True), fixed.get("mlp_tile", 16384),
@@ -392,7 +393,10 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
             x, out, lse = kept_bytes(s)
             pair = 2 * (x + out + lse) if best.offload_layers else 0
             n = [n for n in range(s.layers + 1) if gpu_bytes(s, replace(best, keep_mlp_layers=n), k) + pair <= gpu_cap]
-            best = replace(best, keep_mlp_layers=max(n, default=0))
+            kept = replace(best, keep_mlp_layers=max(n, default=0))
+            # ... where that is worth the headroom: more than TIME_SLACK of the step, as the rule above weighs it
+            if step_seconds(s, kept, k) < step_seconds(s, best, k) * (1 - TIME_SLACK):
+                best = kept
         return best, predict(s, best, k)
     nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1])
     c = predict(s, nearest, k)

@@ -1,5 +1,5 @@
-"""--fit auto: the memory levers (offloaded and kept blocks, MLP tiles, LoRA's kept MLP outputs) that plan.py predicts to fit this node,
-and the check that this node's RAM holds what is offloaded to it.
+"""--fit auto: the memory levers (offloaded and kept blocks, MLP tiles, LoRA's kept MLP outputs) that plan.py
+predicts to fit this node, and the check that this node's RAM holds what is offloaded to it.
 
     torchrun --standalone --nproc_per_node 8 train.py --fit auto     # the default: the plan is printed
     python train.py --config demo --max_steps 2 --gpu_mem_gib 0.05 --host_mem_gib 100   # on CPU, capacities given

@@ -243,8 +243,8 @@ class LoRAMLP(nn.Module):
 
 
 def keep_mlp(model, layers: int):
-    """-> model. The lever keep_mlp: the last `layers` blocks' LoRAMLPs keep gate's and up's outputs for the backward (on
-    the GPU, never offloaded: 2 x T x intermediate values each); the last ones, whose backward comes first."""
+    """The lever keep_mlp: the last `layers` blocks' LoRAMLPs keep gate's and up's outputs for the backward (on the
+    GPU, never offloaded: 2 x T x intermediate values each); the last ones, whose backward comes first. -> model."""
     for block in model.layers:
         if isinstance(block.mlp, LoRAMLP):
             block.mlp.keep = block.index >= len(model.layers) - layers

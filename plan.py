@@ -434,8 +434,8 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
 def describe(lv: Levers, c: Cost, s: Shape) -> str:
     mlp = f", keep_mlp_layers {lv.keep_mlp_layers}/{s.layers}" if s.lora_rank else ""
     return (f"offload_layers {lv.offload_layers}/{s.layers}, keep_attention_layers {lv.keep_attention_layers}/"
-            f"{s.layers}{mlp}, tiled_mlp {lv.tiled_mlp} -> predicted {c.step_s:.1f} s/step, {c.gpu_gib:.1f} GiB GPU per "
-            f"rank, {c.host_gib:.1f} GiB pinned host per rank ({c.host_gib * s.ranks_per_node:.0f} GiB per node)")
+            f"{s.layers}{mlp}, tiled_mlp {lv.tiled_mlp} -> predicted {c.step_s:.1f} s/step, {c.gpu_gib:.1f} GiB GPU "
+            f"per rank, {c.host_gib:.1f} GiB pinned host per rank ({c.host_gib * s.ranks_per_node:.0f} GiB per node)")
 
 
 # --- capacities of this machine ------------------------------------------------------------------

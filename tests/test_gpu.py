@@ -196,9 +196,10 @@ def test_offload_pins_exactly_the_bytes_asked():
 @pytest.mark.parametrize("quantize", ["", "nf4"])
 def test_bf16_cuda_lora_matches_float64_cpu(group_of_one, quantize):
     """LoRA on every projection in bf16 on CUDA (lora._TiledLoRAMLP's written-out backward with the fused
-    kernels, offload, kept attention, two of three blocks keeping gate's and up's outputs, a cuDNN ring of one) against the same model in float64 on the CPU without a
-    lever; the adapters' B drawn non-zero so that every adapter has a gradient. NF4: the CPU model holds the
-    dequantized weights (the quantization is the same function on both; tests/test_lora.py checks it)."""
+    kernels, offload, kept attention, two of three blocks keeping gate's and up's outputs, a cuDNN ring of one)
+    against the same model in float64 on the CPU without a lever; the adapters' B drawn non-zero so that every
+    adapter has a gradient. NF4: the CPU model holds the dequantized weights (the quantization is the same
+    function on both; tests/test_lora.py checks it)."""
     import lora
     if quantize:
         pytest.importorskip("torchao")

@@ -439,8 +439,9 @@ def test_flags_are_checked_before_any_work():
 def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
     """train.py --lora_rank 4 --quantize nf4 on 2 ranks (cp 2, the tiled MLP, kept attention, the last block keeping
     its MLP outputs): killed mid-step and relaunched, it gives the uninterrupted run's losses and grad norms bit
-    for bit; its checkpoints hold the adapters and their AdamW states only. The uninterrupted run's PEFT folder over the dequantized base and the
-    resumed run's merged export give the same logits (the same adapters, exported both ways)."""
+    for bit; its checkpoints hold the adapters and their AdamW states only. The uninterrupted run's PEFT folder
+    over the dequantized base and the resumed run's merged export give the same logits (the same adapters,
+    exported both ways)."""
     import peft
     import transformers
     from test_long_runs import assert_same_run, launch, rows, steps

@@ -341,7 +341,8 @@ def test_lora_spends_the_gpu_memory_left_on_kept_mlp_outputs():
     x, out, lse = plan.kept_bytes(s)
     cap, pair = plan.GPU_MARGIN * 139.2 * 2**30, 2 * (x + out + lse)
     assert (lv.offload_layers, lv.keep_attention_layers) == (36, 36) and 10 <= lv.keep_mlp_layers < 36
-    assert plan.gpu_bytes(s, lv) + pair <= cap < plan.gpu_bytes(s, plan.replace(lv, keep_mlp_layers=lv.keep_mlp_layers + 1)) + pair
+    one_more = plan.replace(lv, keep_mlp_layers=lv.keep_mlp_layers + 1)
+    assert plan.gpu_bytes(s, lv) + pair <= cap < plan.gpu_bytes(s, one_more) + pair
     without = plan.predict(s, plan.replace(lv, keep_mlp_layers=0))
     assert cost.step_s < without.step_s - 0.03 * lv.keep_mlp_layers and cost.host_gib == without.host_gib
     assert plan.choose(plan.replace(s, seq_len=393216), 74.5, 126)[0].keep_mlp_layers == 0

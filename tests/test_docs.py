@@ -359,6 +359,9 @@ def test_packed_window_matches_each_document_alone(dtype, group_of_one, tmp_path
     ids, pos, labels = packed(doc_lens)
     ref_nll, ref_grads = alone_in_transformers(m, ids, labels, doc_lens, tmp_path)
     tol = 1e-5 if dtype == torch.float64 else 2e-4
+    # between levers, rounding only: fp32 sums in another order differed by ~20 ulps in a norm weight's gradient
+    # (2.1e-6 on an AMD EPYC's CPU kernels), so 1e-5 there, still 20x under the bound against the reference
+    same = tol / 100 if dtype == torch.float64 else 1e-5
     first = None
     for attn_fn in (masked_attention, RingAttention(group_of_one, schedule=documents.schedule)):
         m.attn_fn = attn_fn
@@ -367,8 +370,8 @@ def test_packed_window_matches_each_document_alone(dtype, group_of_one, tmp_path
             torch.testing.assert_close(nll, ref_nll, atol=tol, rtol=tol, msg=lambda msg: f"{levers}: {msg}")
             assert_grads_close(grads, ref_grads, tol)
             first = first or (nll, grads)  # levers and attention functions change only rounding
-            torch.testing.assert_close(nll, first[0], atol=tol / 100, rtol=tol / 100)
-            assert_grads_close(grads, first[1], tol / 100)
+            torch.testing.assert_close(nll, first[0], atol=same, rtol=same)
+            assert_grads_close(grads, first[1], same)
 
 
 def test_bad_documents_raise(group_of_one):

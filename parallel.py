@@ -410,11 +410,11 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
 # Ranks agreeing
 # ---------------------------------------------------------------------------------------------
 
-def agree(flags: list[bool], device, group=None) -> list[bool]:
-    """One collective: each flag is true on every rank if it is true on any."""
+def agree(flags: list, device, group=None) -> list[float]:
+    """One collective: each value the largest any rank has (a flag: true on every rank if true on any)."""
     t = torch.tensor([float(f) for f in flags], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [bool(x) for x in t.tolist()]
+    return t.tolist()
 
 
 def all_ok(error: str | None, what: str, device, exc=SystemExit):

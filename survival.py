@@ -109,7 +109,9 @@ def from_rank0(value):
 class StopRequest:
     """SIGTERM, SIGINT, SIGUSR1 (what schedulers send before preemption) and SIGHUP (a lost terminal) only set a
     flag: the step in flight finishes, and at its end all ranks agree to save and exit. A second SIGINT stops at
-    once. A worker whose launcher (torchrun) died stops the same way instead of training on as an orphan."""
+    once. A worker whose launcher (torchrun) died stops the same way instead of training on as an orphan. The
+    reasons are numbered (code, 1 + its place in REASONS) so that one collective tells every rank one of them."""
+    REASONS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP", "the launcher (torchrun) died")
 
     def __init__(self):
         self.signal = None
@@ -126,8 +128,13 @@ class StopRequest:
         if self.signal:
             return self.signal
         if self.parent is not None and os.getppid() != self.parent:
-            return "the launcher (torchrun) died"
+            return self.REASONS[-1]
         return None
+
+    def code(self) -> int:
+        """0, or 1 + the reason's place in REASONS."""
+        reason = self.reason()
+        return self.REASONS.index(reason) + 1 if reason else 0
 
 
 class Watchdog:

@@ -464,15 +464,16 @@ def train(cfg: TrainConfig, given: set, cp: int, rank: int, world: int, t_start:
         check_health(cfg, step, skipped, zero_norm, log)
         if eval_due(cfg, step):
             evaluate(cfg, setup, make_batches, step, eval_log, log)
-        reason = stop.reason()
+        code = stop.code()  # this rank's reason to stop, or 0
         timed = cfg.ckpt_every_min > 0 and time.time() - last_save > 60 * cfg.ckpt_every_min
-        stopping, timed = parallel.agree([reason is not None, timed], setup.device)  # one collective per step
+        stopping, timed = parallel.agree([code, timed], setup.device)  # one collective per step
         due = stopping or timed or (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps
         if due and cfg.checkpoints:
             save_checkpoint(cfg, run, step, log)
             last_save, saved = time.time(), step
         if stopping:
-            log(f"stopping after step {step} ({reason or 'another rank was asked to stop'}), with a checkpoint; "
+            why = StopRequest.REASONS[(code or int(stopping)) - 1] + ("" if code else ", on another rank")
+            log(f"stopping after step {step} ({why}), with a checkpoint; "
                 f"relaunch the same command to continue. Exit code {EXIT_PREEMPTED}")
             run.batches.close()
             return EXIT_PREEMPTED

@@ -69,6 +69,23 @@ def test_sighup_saves_and_the_relaunch_continues(tmp_path, straight):
     assert_same_run(rows(out), straight)
 
 
+def test_a_signal_to_one_worker_stops_every_rank_and_rank_0_names_it(tmp_path):
+    """SIGUSR1 to rank 1 alone (a scheduler that signals one process): every rank saves after the same step and
+    stops, and rank 0's line names the signal and where it came from."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(command(2, out, "--max_steps", "100000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_for_rows(out, 3, proc)
+        os.kill({rank_of(pid): pid for pid in children(proc.pid)}[1], signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    stopped = rows(out)[-1]["step"]
+    assert f"stopping after step {stopped} (SIGUSR1, on another rank)" in stdout, stdout[-2000:] + stderr[-2000:]
+    assert steps(out)[-1] == stopped
+
+
 def test_a_closed_output_pipe_neither_kills_nor_stops_the_run(tmp_path, straight):
     """The reader of stdout goes away after 3 lines (`| head -3`, a killed tee): the run trains to the end, and
     out_dir/train.log holds every line."""

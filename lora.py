@@ -156,8 +156,7 @@ class _TiledLoRAMLP(torch.autograd.Function):
                 ctx.kept = kept
             return x.new_empty(x.shape)
         mlp.kept = None
-        (wg, *g_ab), (wu, *u_ab), (wd, *d_ab) = _projections(mlp, parts, x.dtype)
-        sg, su, sd = (getattr(mlp, name).scaling for name in MLP_PROJECTIONS)
+        (wg, g_ab, sg), (wu, u_ab, su), (wd, d_ab, sd) = _projections(mlp, parts, x.dtype)
         y, n = torch.empty_like(rows), -(-rows.shape[0] // tile)
         g, u = (rows.new_empty(rows.shape[0], wg.shape[0]) for _ in "gu") if keep else (None, None)
         gs, us = (g.split(tile), u.split(tile)) if keep else ([None] * n, [None] * n)
@@ -174,8 +173,7 @@ class _TiledLoRAMLP(torch.autograd.Function):
     def backward(ctx, dy):
         x, *parts = ctx.saved_tensors
         rows, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
-        (wg, *g_ab), (wu, *u_ab), (wd, *d_ab) = _projections(ctx.mlp, parts, x.dtype)
-        sg, su, sd = (getattr(ctx.mlp, name).scaling for name in MLP_PROJECTIONS)
+        (wg, g_ab, sg), (wu, u_ab, su), (wd, d_ab, sd) = _projections(ctx.mlp, parts, x.dtype)
         acc = [[torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in ab]
                for ab in (g_ab, u_ab, d_ab)]
         dx, n = torch.empty_like(rows), -(-rows.shape[0] // ctx.tile)
@@ -199,11 +197,12 @@ class _TiledLoRAMLP(torch.autograd.Function):
 
 
 def _projections(mlp, parts, dtype) -> list:
-    """_TiledLoRAMLP's parts regrouped per projection (gate, up, down): [(dense weight, *adapters)]."""
+    """_TiledLoRAMLP's parts regrouped per projection (gate, up, down): [(dense weight, (A, B) or (), scale)]."""
     groups = []
     for name in MLP_PROJECTIONS:
-        k = 3 if getattr(mlp, name).rank else 1
-        groups.append((dense(parts[0], dtype), *parts[1:k]))
+        m = getattr(mlp, name)
+        k = 3 if m.rank else 1
+        groups.append((dense(parts[0], dtype), tuple(parts[1:k]), m.scaling))
         parts = parts[k:]
     return groups
 

@@ -16,8 +16,8 @@ makes documents of conversations; packing.py packs documents that attend only to
 WindowLoader and Batches.
 
     python -m pytest tests/test_data.py -q
-    python chat.py synthetic --seq_len 4096 --windows 3      # what the loader makes of a source (chat.py)
-    python chat.py pg19 --tokenizer /path/to/Qwen3-8B --seq_len 1048576
+    python -m million.chat synthetic --seq_len 4096 --windows 3      # what the loader makes of a source (chat.py)
+    python -m million.chat pg19 --tokenizer /path/to/Qwen3-8B --seq_len 1048576
 """
 import dataclasses
 import itertools
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import agree, all_ok, cp_shard
-from sources import DEFAULT_PG19_REPO, Skipped, files_of, read_books
+from million.sources import DEFAULT_PG19_REPO, Skipped, files_of, read_books
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers

@@ -35,28 +35,28 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.rendezvous import rendezvous
 
-import chat
-import checkpoint
-import config
+from million import chat
+from million import checkpoint
+from million import config
 import data
-import documents
-import fit
-import hf
-import kernels
-import lora
-import moe
-import optim
-import packing
+from million import documents
+from million import fit
+from million import hf
+from million import kernels
+from million import lora
+from million import moe
+from million import optim
+from million import packing
 import parallel
-import plan
-import retrieval
-import rundir
-from config import TrainConfig
-from export import all_finite, export_hf
-from evaluate import PositionSums, eval_due, evaluate, evaluate_only, open_eval_log, peak_memory
+from million import plan
+from million import retrieval
+from million import rundir
+from million.config import TrainConfig
+from million.export import all_finite, export_hf
+from million.evaluate import PositionSums, eval_due, evaluate, evaluate_only, open_eval_log, peak_memory
 from model import Qwen3, Qwen3Config
-from profiling import profiled
-from survival import (EXIT_PREEMPTED, QUIET_EXIT_S, Log, SharedError, StopRequest, Watchdog, from_rank0, on_rank0,
+from million.profiling import profiled
+from million.survival import (EXIT_PREEMPTED, QUIET_EXIT_S, Log, SharedError, StopRequest, Watchdog, from_rank0, on_rank0,
                       stop_on_error)
 
 

@@ -18,7 +18,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-from kernels import attn_bwd, attn_fwd  # noqa: E402
+from million.kernels import attn_bwd, attn_fwd  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
 
 

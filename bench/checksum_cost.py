@@ -20,8 +20,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
-import hf  # noqa: E402
+from million import checkpoint  # noqa: E402
+from million import hf  # noqa: E402
 from model import Qwen3  # noqa: E402
 
 

@@ -34,11 +34,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import documents  # noqa: E402
-import hf  # noqa: E402
-import kernels  # noqa: E402
+from million import documents  # noqa: E402
+from million import hf  # noqa: E402
+from million import kernels  # noqa: E402
 import parallel  # noqa: E402
-import plan  # noqa: E402
+from million import plan  # noqa: E402
 from packed_docs import run  # noqa: E402
 from ring_sim import median_seconds, rank_backward, rank_forward  # noqa: E402
 

@@ -24,7 +24,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-import kernels  # noqa: E402
+from million import kernels  # noqa: E402
 import parallel  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
 

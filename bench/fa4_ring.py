@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-import kernels  # noqa: E402
+from million import kernels  # noqa: E402
 import parallel  # noqa: E402
 from fa4_attn import rel  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402

@@ -19,8 +19,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import plan  # noqa: E402
-import hf  # noqa: E402
+from million import plan  # noqa: E402
+from million import hf  # noqa: E402
 
 FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json", "x2_c2ce9fc.json",
              "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json", "plan_check_moe.json")

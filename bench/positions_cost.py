@@ -32,7 +32,7 @@ def bucket_work(T, H, V, chunk, k, device, dtype, reps):
     """Seconds of (row_nll writes, PositionSums.add, the chunked loss fwd+bwd) for T rows on one rank."""
     from loss import chunked_nll
     from data import Micro
-    from evaluate import PositionSums
+    from million.evaluate import PositionSums
     g = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(T, H, device=device, generator=g).to(dtype).requires_grad_()             # [T, H]
     weight = (torch.randn(V, H, device=device, generator=g) / H**0.5).to(dtype).requires_grad_()  # [V, H]
@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--work", default="/tmp/positions_cost")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "positions_cost.json"))
     args = ap.parse_args()
-    import hf
+    from million import hf
     from model import Qwen3Config
     mcfg = Qwen3Config.tiny() if args.model == "tiny" else hf.read_config(
         os.path.join(ROOT, "bench", "configs", args.model))

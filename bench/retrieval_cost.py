@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import config  # noqa: E402
+from million import config  # noqa: E402
 import data  # noqa: E402
-import fit  # noqa: E402
+from million import fit  # noqa: E402
 import parallel  # noqa: E402
-import plan  # noqa: E402
-import retrieval  # noqa: E402
+from million import plan  # noqa: E402
+from million import retrieval  # noqa: E402
 import train  # noqa: E402
-from survival import Log  # noqa: E402
+from million.survival import Log  # noqa: E402
 from timing import seconds  # noqa: E402
 
 

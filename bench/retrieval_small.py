@@ -31,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
-import hf  # noqa: E402
-import retrieval  # noqa: E402
+from million import hf  # noqa: E402
+from million import retrieval  # noqa: E402
 from loss import chunked_nll  # noqa: E402
 from model import Qwen3, Qwen3Config  # noqa: E402
 from timing import demo_run  # noqa: E402

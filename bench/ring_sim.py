@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import Kernels, attn_bwd, attn_fwd  # noqa: E402
+from million.kernels import Kernels, attn_bwd, attn_fwd  # noqa: E402
 from parallel import _acc, _bwd_block, _fwd_block, cp_shard, cp_unshard, zigzag_schedule  # noqa: E402
 
 

@@ -18,7 +18,7 @@ LENGTHS = (1, 2, 3, 4, 8, 15, 16, 17, 64)  # each in a process of its own: a few
 
 
 def one(backend: str, n: int):
-    import kernels
+    from million import kernels
     kernels.CUDNN_MIN_TOKENS = 0  # the raw kernel, no routing of short pieces
     gen = torch.Generator(device="cuda").manual_seed(n)
     q, k, v, dout = (torch.randn(1, 1000, h, 128, generator=gen, device="cuda").bfloat16().transpose(1, 2)
@@ -36,7 +36,7 @@ def one(backend: str, n: int):
 
 
 def main():
-    import kernels
+    from million import kernels
     backends = ["cudnn", "flash"] + ([] if kernels.fa4_unavailable() else ["fa4"])
     rows = []
     for backend in backends:

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
+from million import checkpoint  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-import documents
-import hf
+from million import documents
+from million import hf
 import parallel
-import plan
-from documents import balanced_layout, chunk_areas, cp_layout, document_area, parse_doc_lens
+from million import plan
+from million.documents import balanced_layout, chunk_areas, cp_layout, document_area, parse_doc_lens
 from parallel import cp_shard, cp_unshard
 
 

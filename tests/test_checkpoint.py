@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import rundir
+from million import checkpoint
+from million import rundir
 from test_long_runs import reference  # noqa: F401  (the straight 8-step run, a fixture)
 from test_long_runs import assert_same_run, command, error_lines, launch, mount_small_disk, rows, steps, wait_for_rows
 

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 import transformers  # a test dependency: the independent reference
 
-import chat
+from million import chat
 import data
-import hf
-import packing
-from hf import load_or_init_state_dict, save_pretrained
+from million import hf
+from million import packing
+from million.hf import load_or_init_state_dict, save_pretrained
 from model import Qwen3, Qwen3Config
 from test_rows import CHATS, QWEN3, write_model
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-import sources  # noqa: E402
+from million import sources  # noqa: E402
 
 # Seven books of awkward, varied lengths: empty, tiny, non-ASCII, and several longer than a window.
 BOOKS = [

@@ -20,11 +20,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import transformers  # a test dependency: the independent reference for the model
 
-import documents
-import hf as H
-import kernels
+from million import documents
+from million import hf as H
+from million import kernels
 import model as M
-from documents import DocumentSchedule, cp_layout, masked_attention
+from million.documents import DocumentSchedule, cp_layout, masked_attention
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention, cp_shard, cp_unshard, ring_attention
 from test_fa4 import rel

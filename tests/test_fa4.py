@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import kernels
+from million import kernels
 import parallel
 from test_ring import _free_port
 

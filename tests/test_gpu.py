@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import model as M
-from kernels import Kernels
+from million.kernels import Kernels
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention
 
@@ -200,7 +200,7 @@ def test_bf16_cuda_lora_matches_float64_cpu(group_of_one, quantize):
     against the same model in float64 on the CPU without a lever; the adapters' B drawn non-zero so that every
     adapter has a gradient. NF4: the CPU model holds the dequantized weights (the quantization is the same
     function on both; tests/test_lora.py checks it)."""
-    import lora
+    from million import lora
     if quantize:
         pytest.importorskip("torchao")
     m = lora.apply(model(torch.bfloat16), rank=4, alpha=8, quantize=quantize)

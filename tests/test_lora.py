@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import loss as L
-import lora
+from million import lora
 import parallel
-import documents
-from hf import load_or_init_state_dict, save_hf, save_pretrained
+from million import documents
+from million.hf import load_or_init_state_dict, save_hf, save_pretrained
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention, cp_shard
 from test_fa4 import rel
@@ -420,7 +420,7 @@ def test_moe_takes_attention_adapters_only(tmp_path):
 
 
 def test_flags_are_checked_before_any_work():
-    import config
+    from million import config
     def error(**kw):
         with pytest.raises(SystemExit) as e:
             config.check_config(config.TrainConfig(device="cpu", seq_len=256, **kw), 1)

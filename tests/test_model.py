@@ -15,7 +15,7 @@ import transformers  # a test dependency (requirements.txt): the independent ref
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-import hf as H
+from million import hf as H
 import model as M
 from model import Qwen3, Qwen3Config, rope_cos_sin, rope_inv_freq
 

@@ -17,10 +17,10 @@ import torch.distributed as dist
 import transformers  # a test dependency: the independent reference for the model
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-import hf as H
-import moe
+from million import hf as H
+from million import moe
 from model import Qwen3Config
-from moe import Qwen3MoE
+from million.moe import Qwen3MoE
 from parallel import RingAttention, cp_shard
 from test_fa4 import rel
 from test_loss import LargestTensor
@@ -386,7 +386,7 @@ def test_plan_counts_parameters_and_the_matmuls_that_run():
     what a forward of the logits executes, counted by FlopCounterMode (attention's own left out); and the real
     Qwen3-30B-A3B has its published 30.5B parameters, 3.3B of them active."""
     from torch.utils.flop_counter import FlopCounterMode
-    import plan
+    from million import plan
     cfg = moe_cfg(num_experts=6, num_experts_per_tok=3, mlp_only_layers=[1])
     m = random_moe(cfg)
     T = 29

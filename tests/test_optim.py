@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import optim
+from million import optim
 from test_train import ROOT, run, same_steps
 
 
@@ -49,7 +49,7 @@ def test_small_updates_stick_on_average(tmp_path):
     """One step at lr 1e-5 through train.py (2 CPU ranks): the sum over all weights of each weight's move, in the
     direction of the fp32 run's move, is that of the fp32 run within a few percent with stochastic rounding,
     and about nothing with round-to-nearest (98% of bf16 weights do not move: tests/test_train.py)."""
-    from hf import hf_name
+    from million.hf import hf_name
     from model import Qwen3, Qwen3Config
     from safetensors.torch import load_file
     moved = {}

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import hf
-import plan
+from million import hf
+from million import plan
 from model import Qwen3, Qwen3Config, pinned_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -280,7 +280,7 @@ def test_plan_check_puts_the_prediction_beside_the_run(tmp_path):
 def test_lora_counts_are_the_models():
     """The adapters plan.py counts are those lora.apply makes (Qwen3-8B, all seven projections at rank 16: the
     43,646,976 PEFT reports for it; q and v alone), and the NF4 share is every block projection."""
-    import lora
+    from million import lora
     mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
     for targets in (lora.TARGETS, ("q_proj", "v_proj")):
         with torch.device("meta"):
@@ -295,7 +295,7 @@ def test_lora_counts_are_the_models():
 def test_nf4_bytes_are_torchaos():
     """NF4_BYTES per parameter is what torchao's NF4Tensor holds for a bf16 weight: 4-bit codes, an int8 absmax
     per 64 weights, a bf16 factor per 256 absmaxes (and one mean)."""
-    import lora
+    from million import lora
     w = torch.randn(256, 4096, generator=torch.Generator().manual_seed(0)).bfloat16()
     q = lora.nf4(w)
     held = sum(t.numel() * t.element_size() for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor))
@@ -305,7 +305,7 @@ def test_nf4_bytes_are_torchaos():
 def test_lora_matmul_flops_are_what_torch_counts():
     """gemm_flops with LoRA is FlopCounterMode's count of a recomputed training step (chunked loss, frozen head):
     the frozen weights' forward, recompute and dX GEMMs, the head's forward and dH, the adapters' four passes."""
-    import lora
+    from million import lora
     cfg = Qwen3Config.tiny(num_attention_heads=5, num_key_value_heads=1, head_dim=12, vocab_size=301)
     m = Qwen3(cfg)
     m.init_weights(torch.Generator().manual_seed(0))

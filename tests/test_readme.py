@@ -44,6 +44,7 @@ def repo_copy(tmp_path_factory):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), dst / name)
     shutil.copytree(os.path.join(ROOT, "examples"), dst / "examples")
+    shutil.copytree(os.path.join(ROOT, "million"), dst / "million", ignore=shutil.ignore_patterns("__pycache__"))
     return dst
 
 
@@ -53,7 +54,7 @@ def test_readme_command_runs_as_written(repo_copy, command):
            + os.environ.get("PATH", "")}  # torchrun and python of this interpreter
     p = subprocess.run(command, shell=True, cwd=repo_copy, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, (command, p.stdout[-2000:], p.stderr[-3000:])
-    if command.startswith("python chat.py"):
+    if command.startswith("python -m million.chat"):
         assert "[[" in p.stdout and "]]" in p.stdout
         return
     out_dir = command.split("--out_dir ")[1].split()[0]
@@ -62,7 +63,7 @@ def test_readme_command_runs_as_written(repo_copy, command):
     assert "the data ran out after step" in p.stdout + p.stderr
 
 
-DOCS = ("README.md", "GUIDE.md", "bench/RESULTS.md", "bench/NOTES.md")
+DOCS = ("README.md", "million/README.md", "bench/RESULTS.md", "bench/NOTES.md")
 
 
 def anchors(path):

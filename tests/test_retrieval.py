@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import data
-import plan
-import retrieval as R
-import chat
-import hf as H
+from million import plan
+from million import retrieval as R
+from million import chat
+from million import hf as H
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention
 from test_ring import run_ranks
@@ -364,7 +364,7 @@ def test_a_source_without_text_stops_every_rank_with_a_message(one_rank, folders
 
 
 def test_train_py_checks_the_flags_before_any_work():
-    import config
+    from million import config
     cfg = config.TrainConfig(device="cpu", seq_len=4096, retrieval=True)
     for kw, msg in [(dict(), "runs with each evaluation: set --eval_every N or --eval_only true"),
                     (dict(eval_every=5, retrieval_lengths="1000"), "multiple of 2\\*cp = 16"),

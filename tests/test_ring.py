@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import kernels
+from million import kernels
 import parallel
 from parallel import ring_attention, cp_shard, cp_unshard
 

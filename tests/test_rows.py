@@ -21,10 +21,10 @@ from fsspec.implementations.local import LocalFileSystem
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import chat  # noqa: E402
+from million import chat  # noqa: E402
 import data  # noqa: E402
-import packing  # noqa: E402
-import sources  # noqa: E402
+from million import packing  # noqa: E402
+from million import sources  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

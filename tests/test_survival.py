@@ -188,7 +188,7 @@ def test_lr_schedule_continues_without_a_jump():
     """Raised --max_steps mid-cosine: the next step's LR is below the last one, and it reaches the floor at the new
     end; unchanged, the schedule is the plain warmup + cosine."""
     sys.path.insert(0, ROOT)
-    import config
+    from million import config
     import train
     cfg = config.TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=2, max_steps=10)
     plain = [train.lr_at(s, cfg) for s in range(1, 11)]

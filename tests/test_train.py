@@ -67,7 +67,7 @@ def test_levers_on_do_not_change_the_run(tmp_path):
 
 
 def test_final_save_is_an_hf_checkpoint(tmp_path):
-    import hf
+    from million import hf
     run(tmp_path, 2, "--save_dir", str(tmp_path / "saved"))
     m = hf.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
     assert m.cfg.vocab_size == 257 and sorted(os.listdir(tmp_path / "saved")) == ["config.json", "model.safetensors"]
@@ -158,7 +158,7 @@ def test_float32_master_weights_take_updates_that_bf16_weights_lose(tmp_path):
     weight decay is 0): 102,848 weights. Measured with `pytest -s tests/test_train.py -k master_weights`
     (2 CPU ranks, the tiny model): bf16 98.0% unmoved (98% of each matrix, all of the norm weights, which
     sit at 1.0), fp32 0.04%."""
-    from hf import hf_name
+    from million.hf import hf_name
     from model import Qwen3, Qwen3Config
     from safetensors.torch import load_file
     unmoved = {}
@@ -189,7 +189,7 @@ def test_profile_step_writes_a_trace(tmp_path):
 
 
 def test_adamw_betas_come_from_the_flags():
-    import config
+    from million import config
     from train import make_optimizer
     cfg = config.TrainConfig(device="cpu", beta1=0.5, beta2=0.6)
     opt = make_optimizer(cfg, torch.nn.Linear(3, 2))

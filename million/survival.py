@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-import rundir
+from million import rundir
 
 EXIT_PREEMPTED = 75  # a signal asked the run to stop; it saved a checkpoint: relaunch the same command to continue
 

@@ -13,11 +13,11 @@ import os
 import torch
 import torch.distributed as dist
 
-import config
-import kernels
-import lora
-import plan
-from survival import SharedError
+from million import config
+from million import kernels
+from million import lora
+from million import plan
+from million.survival import SharedError
 
 
 def levers(cfg, layers: int) -> plan.Levers:

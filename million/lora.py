@@ -394,7 +394,7 @@ def save(folder: str, model, sd: dict, base_model: str, merge: bool = False, dty
     will do unless merged). Every HF file of LoRA is written here."""
     from safetensors.torch import save_file
 
-    from hf import hf_name, save_hf
+    from million.hf import hf_name, save_hf
     if merge:
         return save_hf(folder, model.cfg, merged_state_dict(model, sd, dtype))
     os.makedirs(folder, exist_ok=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-import lora
-import packing
-import retrieval
+from million import lora
+from million import packing
+from million import retrieval
 
 
 def flag(default, help: str, heading: str = ""):
@@ -137,7 +137,7 @@ PRESETS = {
                  lr=3e-3, warmup_steps=10, weight_decay=0.0, device="cpu", dtype="float32", offload=False,
                  tiled_mlp=False, loss_chunk=512, out_dir="runs/demo",
                  # the byte tokenizer has no chat template: conversations (--data examples/chat.jsonl) use Qwen3's
-                 chat_template=os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples",
+                 chat_template=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                                             "qwen3_chat_template.jinja")),
 }
 

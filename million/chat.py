@@ -7,8 +7,8 @@ turn's content and its <|im_end|>, or a prompt's completion). A row that cannot 
 line naming its file and line, and counted; a file that is not UTF-8 stops. The documents go to data.WindowLoader
 (text rows only) or packing.PackedLoader, which packs each row as a document of its own.
 
-    python chat.py chats.jsonl --tokenizer /path/to/Qwen3-8B --seq_len 32768   # trained tokens shown in [[ ]]
-    python chat.py synthetic --seq_len 4096 --windows 3                        # text: windows of one stream
+    python -m million.chat chats.jsonl --tokenizer /path/to/Qwen3-8B --seq_len 32768   # trained tokens shown in [[ ]]
+    python -m million.chat synthetic --seq_len 4096 --windows 3                        # text: windows of one stream
     python -m pytest tests/test_rows.py tests/test_conversations.py -q
 """
 import functools
@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from data import Document, iter_books, load_tokenizer, parse_synthetic, tokenized, WindowLoader
-from packing import PACKINGS, PackedLoader
-from sources import DEFAULT_PG19_REPO, Skipped, files_of, read_rows
+from million.packing import PACKINGS, PackedLoader
+from million.sources import DEFAULT_PG19_REPO, Skipped, files_of, read_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 ROW_FIELDS = ("messages", "tools", "prompt", "completion", "chat_template_kwargs")  # read besides the text column

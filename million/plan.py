@@ -1,6 +1,6 @@
 """What one training step costs per rank, and the fastest set of memory levers that fits a node.
 
-    python plan.py --model bench/configs/qwen3-8b --seq_len 1048576 --nproc 8 --gpu_mem_gib 74.5 --host_mem_gib 1907
+    python -m million.plan --model bench/configs/qwen3-8b --seq_len 1048576 --nproc 8 --gpu_mem_gib 74.5 --host_mem_gib 1907
     python bench/fit_plan.py --fit     # re-fit FITTED to the runs in bench/results/ and print the errors
     python bench/fit_plan.py --check   # the errors out of sample
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from documents import document_area, parse_doc_lens
-import hf
+from million.documents import document_area, parse_doc_lens
+from million import hf
 from model import Qwen3Config, pinned_size
 
 

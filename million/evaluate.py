@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-import checkpoint
-import config
+from million import checkpoint
+from million import config
 import data
-import fit
-import retrieval
-import rundir
-from survival import SharedError, from_rank0, on_rank0
+from million import fit
+from million import retrieval
+from million import rundir
+from million.survival import SharedError, from_rank0, on_rank0
 
 
 class PositionSums:

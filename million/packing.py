@@ -7,7 +7,7 @@ earlier part, and no pair is lost). The last window of finite data is padded, an
 complete the round of data-parallel ranks. A window travels to the ranks of its context-parallel group as one
 tensor and is sharded by a layout of its documents (parallel.cp_shard), balanced by their masked attention area.
 
-    python chat.py chats.jsonl --tokenizer /path/to/Qwen3-8B --seq_len 32768   # rows packed as documents
+    python -m million.chat chats.jsonl --tokenizer /path/to/Qwen3-8B --seq_len 32768   # rows packed as documents
     python -m pytest tests/test_rows.py -q -k packed
 """
 import dataclasses

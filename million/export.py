@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-import checkpoint
+from million import checkpoint
 import data
-import hf
-import lora
+from million import hf
+from million import lora
 import parallel
-from survival import SharedError, on_rank0
+from million.survival import SharedError, on_rank0
 
 
 def all_finite(model) -> bool:

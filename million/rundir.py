@@ -30,7 +30,7 @@ import socket
 
 import torch.distributed as dist
 
-import checkpoint
+from million import checkpoint
 
 
 def fingerprint(mcfg, shapes: dict, data: dict, tokenizer: str) -> dict:

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import chat
+from million import chat
 import data
 import parallel
-import plan
-import rundir
+from million import plan
+from million import rundir
 from loss import row_logits
 
 # Each needle of a haystack has its own name, so that its question asks for it alone.

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from model import Qwen3, Qwen3Config, causal_attention
-from moe import Qwen3MoE, hf_expert_names
+from million.moe import Qwen3MoE, hf_expert_names
 
 HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 

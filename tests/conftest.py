@@ -1,7 +1,19 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`pytest tests` is the unit tier: tests/e2e (train.py, torchrun and the scripts run as subprocesses) is
+    collected only when it, or a file or test in it, is named: `pytest tests/e2e`."""
+    if collection_path.resolve() != E2E:
+        return None
+    named = [(config.invocation_params.dir / a.split("::")[0]).resolve() for a in config.args]
+    return None if any(p == E2E or E2E in p.parents for p in named) else True
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -2,7 +2,7 @@
 logits and every adapter's gradient in fp32, in one process with every memory lever on and off, and under FSDP2
 with the ring at cp 2 and 4, dp 2 and grad_accum 2, on plain and packed windows; the frozen base never moves;
 the exports load in PEFT and transformers; QLoRA's NF4 against torchao and a formula, and its loss against the
-dequantized model's; train.py killed and resumed with QLoRA continues exactly. CPU, about two minutes:
+dequantized model's (train.py killed and resumed with QLoRA: tests/e2e/test_lora.py). CPU, about two minutes:
 
     python -m pytest tests/test_lora.py -q
 """
@@ -19,7 +19,7 @@ import loss as L
 from million import lora
 import parallel
 from million import documents
-from million.hf import load_or_init_state_dict, save_hf, save_pretrained
+from million.hf import save_pretrained
 from model import Qwen3, Qwen3Config
 from parallel import RingAttention, cp_shard
 from test_fa4 import rel
@@ -432,44 +432,3 @@ def test_flags_are_checked_before_any_work():
     assert "LoRA lever" in error(keep_mlp_layers=4) and "count blocks" in error(lora_rank=8, keep_mlp_layers=-2)
     config.check_config(config.TrainConfig(device="cpu", seq_len=256, lora_rank=8, quantize="nf4"), 1)  # passes
     assert lora.apply(random_model(tiny()), 8).layers[0].mlp.up_proj.scaling == 2.0  # alpha 0: 2 x rank
-
-
-# --- train.py: QLoRA killed and resumed ---------------------------------------------------------------
-
-def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
-    """train.py --lora_rank 4 --quantize nf4 on 2 ranks (cp 2, the tiled MLP, kept attention, the last block keeping
-    its MLP outputs): killed mid-step and relaunched, it gives the uninterrupted run's losses and grad norms bit
-    for bit; its checkpoints hold the adapters and their AdamW states only. The uninterrupted run's PEFT folder
-    over the dequantized base and the resumed run's merged export give the same logits (the same adapters,
-    exported both ways)."""
-    import peft
-    import transformers
-    from test_long_runs import assert_same_run, launch, rows, steps
-    args = ["--max_steps", "4", "--ckpt_every", "2", "--lora_rank", "4", "--quantize", "nf4", "--tiled_mlp", "true",
-            "--mlp_tile", "50", "--keep_mlp_layers", "1"]
-    p = launch(2, tmp_path / "ref", *args, "--save_dir", str(tmp_path / "adapter"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "the base frozen in NF4" in p.stdout
-    assert launch(2, tmp_path / "run", *args, fault="kill:1:3").returncode != 0
-    assert steps(tmp_path / "run") == [2]
-    p = launch(2, tmp_path / "run", *args, "--save_dir", str(tmp_path / "merged"), "--merge_lora", "true")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "after step 2" in p.stdout
-    assert_same_run(rows(tmp_path / "run"), rows(tmp_path / "ref"))
-    from torch.distributed.checkpoint import FileSystemReader
-    keys = FileSystemReader(str(tmp_path / "run" / "checkpoints" / "step_0000004")).read_metadata().state_dict_metadata
-    model_keys = [k for k in keys if k.startswith("model.")]
-    assert len(model_keys) == 2 * 7 * 2 and all(lora.is_adapter(k) for k in model_keys)
-    assert all(lora.is_adapter(k) for k in keys if k.startswith("optim.state."))
-    # the base the runs drew (--model tiny, seed 0), as NF4 gives it back
-    cfg = Qwen3Config.tiny()
-    names = list(Qwen3(cfg).state_dict())
-    sd = load_or_init_state_dict(None, cfg, names, torch.float32, 0, "cpu")
-    sd = {n: lora.nf4(t).get_original_weight() if n.endswith("proj.weight") else t for n, t in sd.items()}
-    save_hf(str(tmp_path / "base"), cfg, sd)
-    ids = torch.randint(0, 257, (1, 50), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-        want = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))(ids).logits
-        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)

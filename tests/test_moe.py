@@ -1,8 +1,8 @@
 """Qwen3-MoE (moe.py) against transformers' Qwen3MoeForCausalLM on the same weights: logits, loss (with the
 load-balancing loss too, apart) and every parameter's gradient; the router against transformers' router,
 ties included; HF checkpoints both ways; the memory levers on and off; the ring at cp 2 and 4 under gloo; the
-grouped GEMM against the expert loop (torch's CPU fallback here; the CUDA kernel in the test marked gpu);
-train.py end to end on a MoE config.json. CPU, about a minute:
+grouped GEMM against the expert loop (torch's CPU fallback here; the CUDA kernel in the test marked gpu).
+train.py end to end on a MoE config.json: tests/e2e/test_moe.py. CPU, about a minute:
 
     python -m pytest tests/test_moe.py -q
 """
@@ -398,24 +398,3 @@ def test_plan_counts_parameters_and_the_matmuls_that_run():
     assert matmuls == 2 * plan.matmul_params(s) * T, (matmuls, 2 * plan.matmul_params(s) * T)
     big = plan.Shape.of(H.read_config(os.path.join(ROOT, "bench/configs/qwen3-30b-a3b")), 1, 1, 1, 1)
     assert round(big.params / 1e9, 1) == 30.5 and 3.3e9 <= big.active_params < 3.4e9  # "3.3B activated"
-
-
-# --- train.py end to end -----------------------------------------------------------------------------
-
-def test_train_py_runs_a_moe_config_at_cp_1_and_2(tmp_path):
-    """A folder holding only a Qwen3-MoE config.json (random init) trains under torchrun on CPU; cp 2 gives cp
-    1's losses, load-balancing losses and grad norms (the router counts are all-reduced over the cp group), each
-    logged apart: `loss` the language model's, `aux_loss` coef * aux."""
-    from test_train import run, same_steps
-    folder = tmp_path / "moe"
-    folder.mkdir()
-    cfg = moe_cfg(vocab_size=257, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                  mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.1, initializer_range=0.1)
-    (folder / "config.json").write_text(json.dumps(H.config_to_dict(cfg)))
-    cp1 = run(tmp_path, 1, "--model", str(folder), "--cp", "1")
-    cp2 = run(tmp_path, 2, "--model", str(folder), "--cp", "2", "--mlp_tile", "50", "--tiled_mlp", "true")
-    same_steps(cp1, cp2)
-    assert cp1[-1]["loss"] < cp1[0]["loss"]
-    for a, b in zip(cp1, cp2):  # near-uniform routing at this init: aux ~ top_k = 2, so coef * aux ~ 0.2
-        assert a["aux_loss"] > 0.05 and a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5), (a, b)

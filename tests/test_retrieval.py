@@ -2,7 +2,7 @@
 Qwen3ForCausalLM on the same window, at cp 1, 2 and 4 (ring attention under gloo; cp 2 x dp 2 too) and with
 YaRN on and off; needles sit at their depth, windows have their exact length, keys never occur in the haystack
 by chance; the chat form is the chat template's rendering; a random model scores at chance and a trained one
-above it; train.py --retrieval true end to end under FSDP2 and the ring.
+above it. train.py --retrieval true end to end under FSDP2 and the ring: tests/e2e/test_retrieval.py.
 
     python -m pytest tests/test_retrieval.py -q
 """
@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -132,7 +131,6 @@ def test_random_model_scores_at_chance(folders):
     assert all(c["exact_match"] == 0 for c in cs)
     assert all(abs(c["nll"] - math.log(257)) < 0.3 for c in cs), cs
     assert [x["length"] for x in R.by_length(cs)] == [256, 768]
-
 
 
 def test_a_trained_model_retrieves_at_its_length():
@@ -278,30 +276,6 @@ def test_predicted_time_is_a_third_of_a_step():
 
 
 # --- train.py end to end ------------------------------------------------------------------------
-
-def test_train_py_scores_equal_transformers_under_fsdp_and_the_ring(folders, tmp_path):
-    """--eval_only true --retrieval true at cp 2 (FSDP2 over both ranks): retrieval.jsonl's cells are those of
-    transformers' scores on the same windows; one log line gives exact match by length."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "train.py"), "--config", "demo", "--model", str(folders[True]), "--tokenizer", "byte",
-           "--yarn_factor", "0", "--data", SOURCE, "--seq_len", "768", "--cp", "2", "--eval_only", "true",
-           "--eval_sequences", "1", "--retrieval", "true", "--retrieval_lengths", "256,768",
-           "--retrieval_depths", "0,0.5,1", "--retrieval_keys", "1", "--out_dir", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path),
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    [row] = [json.loads(line) for line in open(out / "retrieval.jsonl")]
-    ws = windows()
-    want = R.cells(ws, hf_scores(folders[True], ws))
-    assert row["windows"] == len(ws) and row["rope_scaling"]["factor"] == 4.0 and row["chat"] is False
-    for got, ref in zip(row["cells"], want):
-        assert {k: got[k] for k in ("length", "depth", "keys", "exact_match")} == \
-            {k: ref[k] for k in ("length", "depth", "keys", "exact_match")}
-        assert got["nll"] == pytest.approx(ref["nll"], abs=1e-5)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("retrieval    0 | exact match by length: 256: 0%")]
-    assert len(lines) == 1, p.stdout
-    assert (out / "retrieval.png").exists() or "no picture (matplotlib is not installed)" in p.stdout
 
 
 @pytest.fixture

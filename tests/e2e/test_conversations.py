@@ -25,7 +25,7 @@ from million.hf import load_or_init_state_dict, save_pretrained
 from model import Qwen3, Qwen3Config
 from test_rows import CHATS, QWEN3, write_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ = 264  # 33 tokens per zigzag chunk at cp 4
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--yarn_factor", "0", "--seq_len", str(SEQ), "--max_steps", "2",
          "--loss_chunk", "100", "--lr", "1e-3", "--warmup_steps", "0", "--checkpoints", "false", "--seed", "0",

@@ -2,7 +2,7 @@
 CPU: the spans add back to the step's loss, context and data parallelism do not change them, and the evaluation
 matches full logits computed here on the same held-out windows. About 40 s on 2 CPU cores.
 
-    python -m pytest tests/test_positions.py -q
+    python -m pytest tests/e2e/test_positions.py -q
 """
 import json
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from test_train import run
+from .test_train import run
 
 T, K = 264, 16  # 16 spans of 264 positions: 16 or 17 positions each (p * 16 // 264), on purpose unequal
 EVAL = ["--loss_buckets", str(K), "--eval_every", "2", "--eval_sequences", "2"]

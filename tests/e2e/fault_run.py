@@ -1,6 +1,6 @@
-"""train.py with one fault injected, for tests/test_long_runs.py (never a user-facing switch).
+"""train.py with one fault injected, for the tests in tests/e2e (never a user-facing switch).
 
-    FAULT=kill:RANK:STEP        torchrun ... tests/fault_run.py <train.py flags>   # SIGKILL mid-step
+    FAULT=kill:RANK:STEP        torchrun ... tests/e2e/fault_run.py <train.py flags>   # SIGKILL mid-step
     FAULT=kill_in_save:RANK:STEP                                                   # SIGKILL inside a checkpoint write
     FAULT=kill_in_delete:0:STEP                                                    # SIGKILL while an old one is deleted
     FAULT=nan:STEP[:LAST]        a NaN in one gradient on steps STEP..LAST (default: STEP only)
@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

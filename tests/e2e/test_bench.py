@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPTS = {  # name: (arguments, with {tmp} for the test's folder; the JSON file it writes)
     "bench_loss": (["--small", "--out", "{tmp}/out.json"], "out.json"),

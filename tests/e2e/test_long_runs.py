@@ -2,7 +2,7 @@
 
 Each fault is checked for what a user would lose: the losses and grad norms of the continued run must equal an
 uninterrupted run's exactly, metrics.jsonl must hold one row per step, the earlier checkpoint must be intact, and
-a bad input must stop every rank with one line that says what to change. tests/fault_run.py injects the faults.
+a bad input must stop every rank with one line that says what to change. tests/e2e/fault_run.py injects the faults.
 """
 import json
 import os
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config", "demo", "--seq_len", "264", "--loss_chunk", "100", "--warmup_steps", "2", "--lr", "3e-3"]
 
 
@@ -26,7 +26,7 @@ def launch(nproc, out, *args, fault=None, restarts=0, timeout=180):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if fault:
         env["FAULT"] = fault
-    script = "tests/fault_run.py" if fault else "train.py"
+    script = "tests/e2e/fault_run.py" if fault else "train.py"
     return subprocess.run(command(nproc, out, *args, script=script, restarts=restarts), capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=str(out.parent))
 

@@ -1,7 +1,7 @@
 """train.py over NCCL on two GPUs (skipped with fewer): data parallelism and gradient accumulation, with and
 without context parallelism, are the same optimisation as one GPU accumulating the same sequences.
 
-    pytest -m gpu tests/test_multi_gpu.py -s      # -s prints the per-step table
+    pytest -m gpu tests/e2e/test_multi_gpu.py -s      # -s prints the per-step table
 
 The CPU versions (gloo, fp32) are in test_train.py and hold to 1e-5; here the compute is bf16 (weights and AdamW
 states fp32), so the bounds are bf16's: the sums of a step's gradients run in another order on two ranks."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ = 16384
 
 

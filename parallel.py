@@ -17,7 +17,7 @@ import torch.distributed as dist
 # The window is cut into n equal chunks and each rank holds n / cp of them, end to end in increasing order: its
 # layout. Every rank holds the same number of tokens, so the ring passes equal K/V shards. For one sequence the
 # layout is zigzag: n = 2*cp and rank r holds chunks r and 2*cp-1-r, one early and one late, so every rank owns
-# the same share of the causal triangle. (Packed documents take layouts of their own: documents.py.)
+# the same share of the causal triangle. (A window of several documents may take a layout of its own.)
 
 def zigzag_layout(world):
     return tuple((r, 2 * world - 1 - r) for r in range(world))
@@ -54,8 +54,8 @@ zigzag_shard, zigzag_unshard = cp_shard, cp_unshard
 
 # PyTorch's flash attention ops: they return each query row's log-sum-exp (the ring merges with it), and on CUDA
 # take GQA and the model's [B, T, H, D] memory seen as [B, H, T, D] as they are (a .contiguous() would copy q, k, v
-# and dout in every layer). The CPU op for CPU tensors: CI runs the whole ring under gloo. kernels.py has faster
-# CUDA kernels.
+# and dout in every layer). The CPU op for CPU tensors: CI runs the whole ring under gloo. million/kernels.py has
+# faster CUDA kernels.
 
 def _attn_fwd(q, k, v, causal):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> out [B, Hq, Tq, D] in q.dtype, lse [B, Hq, Tq] fp32 (natural log).
@@ -132,7 +132,7 @@ class Schedule:
     when this rank holds the K/V of rank - i, rows and columns in local coordinates (the source's for the columns);
     last: the last step at which any rank has a block (the K/V go no further round the ring). The causal blocks are
     all at step 0, come first and cover each local row once, so that each row is written before anything is merged
-    into it. fwd/bwd compute one block on the ring's kernels; a subclass may run some otherwise (documents.py)."""
+    into it. fwd/bwd compute one block on the ring's kernels; a subclass may run some otherwise."""
 
     def __init__(self, steps, last):
         self.steps, self.last = steps, last
@@ -168,8 +168,8 @@ def _visible_part(rank, src, t):
 def zigzag_schedule(rank, world, t, doc_lens=None):
     """The schedule of one causal sequence in the zigzag layout, t tokens on each rank: one _visible_part a step."""
     if doc_lens is not None:
-        raise ValueError("doc_lens: this ring runs one causal sequence; a window of documents needs their schedule "
-                         "(RingAttention(..., schedule=documents.schedule))")
+        raise ValueError("doc_lens: this ring runs one causal sequence; a window of documents needs a schedule "
+                         "that knows them (RingAttention(group, kernels, schedule))")
     return Schedule(tuple((_visible_part(rank, (rank - i) % world, t),) for i in range(world)), world - 1)
 
 
@@ -329,10 +329,10 @@ class RingAttention:
     the rank in `group`); a group of one is plain causal attention.
     q [B, Hq, T, D], k/v [B, Hkv, T, D] with Hkv dividing Hq, T this rank's chunks; softmax scale 1/sqrt(D).
 
-    kernels: the attention kernels of a block (fwd, bwd as FlashKernels has them; kernels.Kernels: the fastest on
-    CUDA). schedule(rank, world, T, *docs) -> Schedule: the blocks the ring computes, from what the model passes
-    after q, k, v. The default, zigzag_schedule, is one causal sequence; documents.schedule takes the window's
-    document lengths.
+    kernels: the attention kernels of a block (fwd, bwd as FlashKernels has them; on CUDA the caller passes the
+    fastest it has). schedule(rank, world, T, *docs) -> Schedule: the blocks the ring computes, from what the model
+    passes after q, k, v. The default, zigzag_schedule, is one causal sequence; a schedule that takes the window's
+    document lengths computes only the blocks inside its documents.
 
     Calling it is differentiable; fwd and bwd are its two halves without autograd, for the recomputed block that
     keeps attention's output and lse (model.py, "Memory levers")."""

@@ -23,16 +23,32 @@ STAGE=$1; OUT=$(mkdir -p "$2" && cd "$2" && pwd)
 MODEL=bench/configs/qwen3-8b
 COMMON="--model $MODEL --tokenizer byte --data synthetic --checkpoints false --resume none --overwrite true"
 
-clean_gpu() {  # a run cut by its timeout can leave workers holding the GPU
-    pkill -f "train.py" 2>/dev/null; sleep 2
+# Each run starts in a process group of its own (setsid), whose id goes into $GROUPS_FILE: a run cut by its
+# timeout can leave workers holding the GPU, and only the groups this script started are ended, never a process
+# that merely matches a name.
+GROUPS_FILE=/tmp/lora_gpu_groups
+LONGEST_PID=/tmp/lora_gpu_longest.pid
+
+clean_gpu() {
+    if [ -f "$GROUPS_FILE" ]; then
+        while read -r group; do kill -- "-$group" 2>/dev/null; done < "$GROUPS_FILE"
+        : > "$GROUPS_FILE"; sleep 2
+    fi
     nvidia-smi --query-gpu=memory.used --format=csv,noheader >> "$OUT/nvidia_smi.txt"
+}
+
+alive() {  # pid: is that process (the longest run's group leader) still running?
+    [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
 }
 
 run() {  # name timeout flags...: one train.py run, its log and metrics into OUT
     local name=$1 limit=$2; shift 2
     clean_gpu
-    timeout "$limit" python -m torch.distributed.run --standalone --nproc_per_node 1 train.py $COMMON \
-        --out_dir "/tmp/lora_gpu_$name" "$@" > "$OUT/$name.log" 2>&1
+    setsid timeout "$limit" python -m torch.distributed.run --standalone --nproc_per_node 1 train.py $COMMON \
+        --out_dir "/tmp/lora_gpu_$name" "$@" > "$OUT/$name.log" 2>&1 &
+    local pid=$!
+    echo "$pid" >> "$GROUPS_FILE"
+    wait "$pid"
     echo "$name rc $?" >> "$OUT/rc.txt"
     cp "/tmp/lora_gpu_$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
     grep -E "^(fit|plan|step|error)" "$OUT/$name.log" | tail -6
@@ -40,8 +56,8 @@ run() {  # name timeout flags...: one train.py run, its log and metrics into OUT
 
 wait_longest() {  # seconds: wait for the setsid run of `longest` to end, or for that long; copy what it wrote
     local t=0
-    while pgrep -f "lora_gpu_longest" > /dev/null && [ "$t" -lt "$1" ]; do sleep 10; t=$((t + 10)); done
-    pgrep -f "lora_gpu_longest" > /dev/null && echo "still running after ${t} s" || echo "ended"
+    while alive "$LONGEST_PID" && [ "$t" -lt "$1" ]; do sleep 10; t=$((t + 10)); done
+    alive "$LONGEST_PID" && echo "still running after ${t} s" || echo "ended"
     cp /tmp/lora_gpu_longest.log "$OUT/lora_524k.log"
     cp /tmp/lora_gpu_longest/metrics.jsonl "$OUT/lora_524k.metrics.jsonl" 2>/dev/null
     grep -E "^(fit|plan|step|error)" "$OUT/lora_524k.log" | tail -6; nvidia-smi --query-gpu=memory.used --format=csv
@@ -74,9 +90,10 @@ qlora131k)
     ;;
 retrieval)
     clean_gpu
-    timeout 400 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/retrieval_cost.py \
+    setsid timeout 400 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/retrieval_cost.py \
         --model $MODEL --tokenizer byte --data synthetic --seq_len 131072 --out "$OUT/retrieval_cost_8b_131k.json" \
-        > "$OUT/retrieval_cost.log" 2>&1
+        > "$OUT/retrieval_cost.log" 2>&1 &
+    echo "$!" >> "$GROUPS_FILE"; wait "$!"
     echo "retrieval rc $?" >> "$OUT/rc.txt"; tail -3 "$OUT/retrieval_cost.log"
     ;;
 longest80)
@@ -87,6 +104,7 @@ longest)
     setsid nohup timeout 1500 python -m torch.distributed.run --standalone --nproc_per_node 1 train.py $COMMON \
         --out_dir /tmp/lora_gpu_longest --seq_len 524288 --max_steps 1 --lora_rank 16 \
         > /tmp/lora_gpu_longest.log 2>&1 < /dev/null &
+    echo "$!" > "$LONGEST_PID"; echo "$!" >> "$GROUPS_FILE"  # collect (a later call) waits for it by this id
     wait_longest 560
     ;;
 collect)

@@ -95,3 +95,12 @@ def check_host_memory(cfg, mcfg, world: int, log):
         raise SystemExit(f"error: offloading needs {local * per_rank / 2**30:.0f} GiB of host RAM on this node but "
                          f"it has {total / 2**30:.0f} GiB; use --fit auto, --offload_layers N (fewer blocks "
                          "offloaded), --keep_attention_layers N, more context parallelism (--cp), or --offload false")
+
+
+def step_flops(cfg, mcfg, world: int) -> tuple[float, float]:
+    """Useful FLOPs of one optimizer step over all ranks (plan.useful_flops), as (matmuls, causal attention): a
+    window of packed documents scales the second by its share of the causal triangle. For the MFU train.py logs."""
+    shape = plan_shape(cfg, mcfg, world)
+    steps = cfg.grad_accum * (world // config.context_parallel(cfg, world))
+    attention = 3 * plan.attention_fwd_flops(shape) * steps
+    return plan.useful_flops(shape) * steps - attention, attention

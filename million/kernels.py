@@ -152,3 +152,9 @@ class Kernels:
 
     def bwd(self, dout, q, k, v, out, lse, causal):
         return attn_bwd(dout, q, k, v, out, lse, causal, backend=self.backend)
+
+
+def describe(kernels: Kernels, asked: str) -> str:
+    """The attention kernels a run uses, and why FA4 is not among them where --attn_backend auto fell back."""
+    fell_back = asked == "auto" and kernels.backend == "cudnn"
+    return kernels.backend + (f" ({fa4_unavailable()})" if fell_back else "")

@@ -14,18 +14,13 @@ import functools
 import torch
 
 
-def _mm_fp32(a, b):
+def mm_fp32(a, b):
     """a [m, k] @ b [k, n] -> [m, n] fp32, never rounded to bf16 on the way."""
     if a.dtype == torch.float32:
         return a @ b
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)  # bf16 tensor-core GEMM with an fp32 epilogue
     return a.float() @ b.float()  # CPU has no mixed-dtype GEMM; widening bf16 is exact, so the math is the same
-
-
-def row_logits(hidden, weight):
-    """hidden [n, H] @ weight.T -> [n, V] fp32 logits of a few rows (evaluation scores chosen rows this way)."""
-    return _mm_fp32(hidden, weight.T)
 
 
 def addmm_fp32_(acc, a, b):
@@ -72,7 +67,7 @@ class _ChunkedNLL(torch.autograd.Function):
         for start in range(0, rows.numel(), chunk_size):
             idx, y = rows[start:start + chunk_size], targets[start:start + chunk_size, None]    # [c], [c, 1]
             h = hidden.index_select(0, idx)                                                     # [c, H]
-            x = _mm_fp32(h, weight.T)                                                           # [c, V] fp32
+            x = mm_fp32(h, weight.T)                                                            # [c, V] fp32
             if not (need_dh or need_dw):  # evaluation: the loss alone
                 row_nll.index_copy_(0, idx, torch.logsumexp(x, 1) - x.gather(1, y).squeeze(1))
                 continue
@@ -114,11 +109,6 @@ class NLL:
     loss_sum: torch.Tensor  # fp32 scalar, connected to the graph
     n_valid: torch.Tensor   # int64 scalar
     row_nll: torch.Tensor   # [N] fp32, each row's NLL (0 for ignored rows); not differentiable
-    aux_sum: torch.Tensor | None = None  # a term the model adds on loss_sum's scale (moe.py's load balancing)
-
-    def total(self):
-        """What backward starts from: loss_sum, plus aux_sum where the model gives one."""
-        return self.loss_sum if self.aux_sum is None else self.loss_sum + self.aux_sum
 
     def __iter__(self):
         return iter((self.loss_sum, self.n_valid))

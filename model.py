@@ -8,8 +8,8 @@
 
 The model never imports torch.distributed: attention is a function `attn_fn(q, k, v) -> out` it is given
 (causal SDPA on one device, the ring of parallel.py under context parallelism); for a window of several documents,
-`attn_fn(q, k, v, doc_lens)`. Extensions: moe.py (Qwen3-MoE, a subclass of Qwen3 whose blocks take another MLP),
-hf.py (HF checkpoints and config.json: read_config, from_pretrained, save_pretrained).
+`attn_fn(q, k, v, doc_lens)`. A block takes its MLP: `mlp(index) -> module` builds each block's (default: the
+SwiGLU MLP), so that another feed-forward block comes in as an argument, not as a change here.
 
     python -c "from model import *; m = Qwen3(Qwen3Config.tiny()); print(m(torch.zeros(1, 8, dtype=torch.long)).shape)"
     python -m pytest tests/test_model.py -q
@@ -48,15 +48,6 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     initializer_range: float = 0.02
-    # Qwen3-MoE (model_type "qwen3_moe"); num_experts 0 is a dense Qwen3. Defaults: transformers' Qwen3MoeConfig
-    num_experts: int = 0
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 768
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list = field(default_factory=list)  # dense layers among the sparse ones
-    output_router_logits: bool = False  # true: router_aux_loss_coef x the load-balancing loss joins the objective
-    router_aux_loss_coef: float = 0.001
     raw: dict = field(default_factory=dict, repr=False)  # the config.json as read, written back on save
 
     @classmethod
@@ -65,11 +56,6 @@ class Qwen3Config:
         return dataclasses.replace(cls(vocab_size=257, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                                        max_position_embeddings=4096), **kw)
-
-    def sparse(self, layer: int) -> bool:
-        """Is this layer a mixture of experts? Exactly as transformers' Qwen3MoeDecoderLayer decides."""
-        return (layer not in self.mlp_only_layers and self.num_experts > 0
-                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def yarn_scaled(self, factor: float, original_max_position_embeddings: int) -> "Qwen3Config":
         """A copy with YaRN at `factor` over `original_max_position_embeddings` positions (given explicitly,
@@ -179,15 +165,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.tile = 0  # rows per tile along the sequence (a memory lever, section 2); 0 = untiled
 
-    def weights(self):
-        """(W_gate, W_up, W_down), the weights the SwiGLU applies: the one place that reads the projections (a
-        subclass that changes them, e.g. adapters on top, returns the weights they amount to)."""
-        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-
     def forward(self, x, value_is_read=True):
         """down(silu(gate(x)) * up(x)). value_is_read=False: only the output's gradient graph will be used
         (the recomputed block's backward), so the tiled MLP may skip computing its value."""
-        ws = self.weights()
+        ws = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
         if self.tile and x.shape[-2] > self.tile:
             return _TiledMLP.apply(x, self.tile, value_is_read, *ws)
         return _swiglu(x, *ws)
@@ -195,8 +176,8 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: Qwen3Config, index: int, mlp: nn.Module):
-        """mlp: the feed-forward module, mlp(x, value_is_read) -> y, or (y, *extras) (see body), with a `tile`
-        attribute (set_levers)."""
+        """mlp: the feed-forward module, mlp(x, value_is_read) -> y [B, T, H], with a `tile` attribute
+        (set_levers)."""
         super().__init__()
         self.index = index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -209,40 +190,26 @@ class Block(nn.Module):
         self.offload = None          # a HostOffload (shared by the blocks) holding what is kept, or None
 
     def body(self, x, cos, sin, attend, mlp_value_is_read=True, doc_lens=None):
-        """x [B, T, H] -> (y [B, T, H], *extras): extras are the tensors the MLP hands out besides its output (a
-        MoE's router statistics, for Qwen3.aux_loss); a flat tuple, so that the recomputed block can return it as
-        its outputs."""
+        """x [B, T, H] -> y [B, T, H]."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, doc_lens)
-        out = self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
-        y, *extras = (out,) if isinstance(out, torch.Tensor) else out
-        return (h + y, *extras)
+        return h + self.mlp(self.post_attention_layernorm(h), mlp_value_is_read)
 
     def forward(self, x, cos, sin, attn_fn, doc_lens=None):
-        """-> body's tuple."""
         if self.recompute and torch.is_grad_enabled():
             return _RecomputedBlock.apply(x, cos, sin, self, attn_fn, doc_lens)
         return self.body(x, cos, sin, attn_fn, doc_lens=doc_lens)
 
 
 class Qwen3(nn.Module):
-    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention):
+    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention, mlp=None):
+        """mlp(index) -> the feed-forward module of block `index` (Block's mlp); None: the SwiGLU MLP in each."""
         super().__init__()
         self.cfg, self.attn_fn = cfg, attn_fn
+        mlp = mlp or (lambda index: MLP(cfg))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, self.block_mlp(i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, mlp(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def block_mlp(self, index: int) -> nn.Module:
-        """The MLP of block `index`: SwiGLU. A subclass may give another (moe.Qwen3MoE: its sparse layers')."""
-        if self.cfg.num_experts:
-            raise ValueError(f"a Qwen3-MoE config ({self.cfg.num_experts} experts) builds moe.Qwen3MoE, not Qwen3")
-        return MLP(self.cfg)
-
-    def aux_loss(self, extras: list, rows: int, n_valid) -> torch.Tensor:
-        """A loss term on loss_sum's scale from what blocks' MLPs hand out besides their outputs (extras: a list
-        per such block) over this rank's rows, n_valid of them trained. Dense MLPs hand out nothing."""
-        raise NotImplementedError(f"{type(self).__name__}: the blocks' MLPs hand out extras; define aux_loss")
 
     def head_weight(self):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -252,8 +219,7 @@ class Qwen3(nn.Module):
         (loss_sum fp32, n_valid) instead (loss.NLL), computed here so that FSDP2 gathers the head weight once per
         step. doc_lens: the window's documents (their lengths in order over the whole window, the same in every
         row; under context parallelism the global window, not this rank's shard): attention stays inside each.
-        Then position_ids [B, T] must be given, each document's counting from 0 (zigzag-sharded like the tokens).
-        Where blocks hand out extras, aux_loss of them comes apart from loss_sum, as the result's aux_sum."""
+        Then position_ids [B, T] must be given, each document's counting from 0 (zigzag-sharded like the tokens)."""
         B, T = input_ids.shape
         if doc_lens is not None and position_ids is None:
             raise ValueError("doc_lens needs position_ids: the positions inside each document, from 0")
@@ -262,20 +228,13 @@ class Qwen3(nn.Module):
         dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # [B, T, D] fp32
         x = self.embed_tokens(input_ids)                                                  # [B, T, H]
-        extras = []  # per block whose MLP hands out more than its output
         for block in self.layers:
-            x, *more = block(x, cos, sin, self.attn_fn, doc_lens)
-            if more:
-                extras.append(more)
+            x = block(x, cos, sin, self.attn_fn, doc_lens)                               # [B, T, H]
         h = self.norm(x)
         if labels is None:
             return h
         with torch.profiler.record_function("chunked_nll"):  # named in profiles (train.py --profile_step)
-            out = chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
-        if extras:
-            aux = self.aux_loss(extras, B * T, out.n_valid)
-            out = dataclasses.replace(out, aux_sum=aux.to(out.loss_sum.dtype))
-        return out
+            return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
 
     def logits(self, input_ids, position_ids=None, doc_lens=None):
         """Full logits [B, T, V], for tests and short evaluation only."""
@@ -328,9 +287,7 @@ class Qwen3(nn.Module):
 #     doc_lens to each of these calls (the block keeps it for its backward).
 #   - MLP: the recomputed output's value is never read (only its gradient graph is), so the tiled MLP skips
 #     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
-# Then autograd runs the rebuilt graph backward from the block's output gradient (and from the gradients of those
-# extras that carry one, such as a MoE block's router probability sums under the load-balancing loss). The
-# block's parameters are not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as
+# Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as
 # reentrant checkpointing does), and FSDP2's post-backward hook reduce-scatters them.
 #
 # GPU memory: with every block offloaded, two blocks' kept tensors are on the GPU at a time (the one running
@@ -379,7 +336,7 @@ class _RecomputedBlock(torch.autograd.Function):
         ctx.block, ctx.attn_fn, ctx.doc_lens = block, attn_fn, doc_lens
         attend = _KeptAttention(attn_fn) if block.keep_attention and hasattr(attn_fn, "fwd") else attn_fn
         with torch.no_grad():
-            y, *extras = block.body(x, cos, sin, attend, doc_lens=doc_lens)
+            y = block.body(x, cos, sin, attend, doc_lens=doc_lens)
         kept = {"x": x}
         if isinstance(attend, _KeptAttention):
             kept.update(out=attend.out, lse=attend.lse)
@@ -389,10 +346,10 @@ class _RecomputedBlock(torch.autograd.Function):
                 block.offload.save((block.index, name), t)
             kept = {}
         ctx.save_for_backward(cos, sin, *kept.values())
-        return y, *extras
+        return y
 
     @staticmethod
-    def backward(ctx, dy, *dextras):
+    def backward(ctx, dy):
         block = ctx.block
         cos, sin, *kept = ctx.saved_tensors
         if block.offload is not None:
@@ -403,10 +360,8 @@ class _RecomputedBlock(torch.autograd.Function):
             attend = functools.partial(_replay_attention, out=kept["out"], lse=kept["lse"], attn_fn=ctx.attn_fn)
         with torch.enable_grad():
             x = kept["x"].detach().requires_grad_()
-            outs = block.body(x, cos, sin, attend, mlp_value_is_read=False, doc_lens=ctx.doc_lens)
-            # every extra left as a differentiable output; those that need no gradient (a MoE's counts) get none
-            pairs = [(t, g) for t, g in zip(outs, (dy, *dextras)) if t.requires_grad]
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            y = block.body(x, cos, sin, attend, mlp_value_is_read=False, doc_lens=ctx.doc_lens)
+            torch.autograd.backward(y, dy)
         return x.grad, None, None, None, None, None
 
 

@@ -37,11 +37,12 @@ class PositionSums:
         self.acc = torch.zeros(2 + 2 * k, device=device)  # [loss sum, aux sum, loss sum by span, targets by span]
 
     def add(self, out, m: "data.Micro"):
-        """out: chunked_nll's result for one micro-batch's rows on this rank (with a MoE's aux_sum, if any)."""
+        """out: the model's loss.NLL for one micro-batch's rows on this rank (a MoE's moe.MoENLL adds aux_sum)."""
         bucket = m.positions[0] * self.k // self.seq_len                     # [T/cp] the span of each row
         self.acc[0] += out.loss_sum.detach()
-        if out.aux_sum is not None:
-            self.acc[1] += out.aux_sum.detach()
+        aux = getattr(out, "aux_sum", None)
+        if aux is not None:
+            self.acc[1] += aux.detach()
             self.has_aux = True
         self.acc[2:2 + self.k].index_add_(0, bucket, out.row_nll)
         self.acc[2 + self.k:].index_add_(0, bucket, (m.labels[0] != -100).to(self.acc.dtype))

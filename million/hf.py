@@ -4,7 +4,7 @@ folder, and load_or_init_state_dict, the one place where weights are read or dra
 load_or_init_state_dict on rank 0 (then broadcasts) and writes with save_hf; from_pretrained and save_pretrained do
 the same in one process.
 
-    python -c "import hf, torch; print(hf.from_pretrained('Qwen/Qwen3-0.6B', torch.float32).cfg)"
+    python -c "from million import hf; print(hf.from_pretrained('Qwen/Qwen3-0.6B', torch.float32).cfg)"
     python -m pytest tests/test_model.py tests/test_moe.py -q -k "load or save or hub or checkpoint"
 """
 import json
@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from model import Qwen3, Qwen3Config, causal_attention
-from million.moe import Qwen3MoE, hf_expert_names
+from million.moe import Qwen3MoE, Qwen3MoeConfig, hf_expert_names
 
 HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 
@@ -71,7 +71,7 @@ MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "no
 
 
 def config_from_dict(d: dict) -> Qwen3Config:
-    """An HF Qwen3 or Qwen3-MoE config.json dict (either RoPE style) -> Qwen3Config."""
+    """An HF Qwen3 or Qwen3-MoE config.json dict (either RoPE style) -> Qwen3Config, or moe.Qwen3MoeConfig."""
     refuse_unsupported(d)
     theta, scaling = parse_rope(d)
     heads = d["num_attention_heads"]
@@ -80,14 +80,15 @@ def config_from_dict(d: dict) -> Qwen3Config:
         moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
                    **{k: d[k] for k in MOE_FIELDS[1:] if d.get(k) is not None},
                    mlp_only_layers=list(d.get("mlp_only_layers") or []))
-    return Qwen3Config(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                       intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-                       num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-                       head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-                       rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-                       tie_word_embeddings=d.get("tie_word_embeddings", False),
-                       max_position_embeddings=d.get("max_position_embeddings", 40960),
-                       initializer_range=d.get("initializer_range", 0.02), **moe, raw=dict(d))
+    config = Qwen3MoeConfig if moe else Qwen3Config
+    return config(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                  intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                  num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+                  head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                  rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+                  tie_word_embeddings=d.get("tie_word_embeddings", False),
+                  max_position_embeddings=d.get("max_position_embeddings", 40960),
+                  initializer_range=d.get("initializer_range", 0.02), **moe, raw=dict(d))
 
 
 def read_config(path: str) -> Qwen3Config:
@@ -114,7 +115,7 @@ def config_to_dict(cfg: Qwen3Config) -> dict:
         d["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
     else:
         d["rope_theta"], d["rope_scaling"] = cfg.rope_theta, (rope if cfg.rope_scaling else None)
-    if cfg.num_experts:
+    if isinstance(cfg, Qwen3MoeConfig):
         d.pop("num_local_experts", None)  # one name for it: the hub's
         d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
                  **{k: getattr(cfg, k) for k in MOE_FIELDS}, mlp_only_layers=list(cfg.mlp_only_layers))
@@ -132,8 +133,8 @@ def hf_names(name: str, num_experts: int) -> list[str]:
 
 
 def model_class(cfg: Qwen3Config) -> type:
-    """The model a config builds: moe.Qwen3MoE when it has experts, else model.Qwen3."""
-    return Qwen3MoE if cfg.num_experts else Qwen3
+    """The model a config builds: moe.Qwen3MoE for a Qwen3MoeConfig, else model.Qwen3."""
+    return Qwen3MoE if isinstance(cfg, Qwen3MoeConfig) else Qwen3
 
 
 def local_folder(path_or_hub_id: str) -> str:
@@ -187,7 +188,7 @@ def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str
     """The full state dict {name: tensor in dtype}: read from path's *.safetensors (on the CPU), or drawn on
     `device` by init_weights from `seed` where there are none (path None, or a folder with only a config.json,
     with a warning). The draw is the same for any world size: runs at different cp agree on it."""
-    sd = load_hf_state_dict(path, names, dtype, mcfg.num_experts) if path else None
+    sd = load_hf_state_dict(path, names, dtype, getattr(mcfg, "num_experts", 0)) if path else None
     if sd is not None:
         return sd
     if path:
@@ -205,7 +206,7 @@ def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: i
     os.makedirs(out_dir, exist_ok=True)
     tensors = {}
     for n, t in state_dict.items():
-        t, hs = t.detach().cpu(), hf_names(n, cfg.num_experts)
+        t, hs = t.detach().cpu(), hf_names(n, getattr(cfg, "num_experts", 0))
         # an expert's slice is cloned: safetensors refuses tensors that share memory
         tensors.update({hs[0]: t.contiguous()} if len(hs) == 1 else {h: t[e].clone() for e, h in enumerate(hs)})
     shards, size = [{}], 0

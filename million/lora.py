@@ -287,7 +287,7 @@ def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None
     alpha 0 means 2 x rank (PEFT's default is 8). quantize "nf4": the blocks' projections become NF4 once
     loaded (`quantize`). -> model."""
     targets = parse_targets(targets) if isinstance(targets, str) else tuple(targets)
-    if model.cfg.num_experts and (set(targets) - set(ATTENTION) or quantize):
+    if getattr(model.cfg, "num_experts", 0) and (set(targets) - set(ATTENTION) or quantize):
         raise ValueError("LoRA on Qwen3-MoE adapts attention only, in bf16: pass --lora_targets "
                          f"{','.join(ATTENTION)} and no --quantize")
     alpha, nf4 = alpha or 2.0 * rank, quantize == "nf4"

@@ -1,17 +1,38 @@
-"""Qwen3-MoE, an extension of model.py: the mixture-of-experts feed-forward block of transformers'
-modeling_qwen3_moe.py (same names; the experts' weights stacked [E, ...], the hub's one Linear per expert at load
-and save: hf_expert_names), and the router's load-balancing loss. Qwen3MoE is the model.Qwen3 subclass that
-plugs them in: its sparse layers get a SparseMoE as their block's MLP (block_mlp), and the routers' statistics,
-which those blocks hand out besides their output, become the auxiliary loss (aux_loss), kept apart from the
-language-model loss.
+"""Qwen3-MoE, an extension of model.py: its config (Qwen3MoeConfig), the mixture-of-experts feed-forward block of
+transformers' modeling_qwen3_moe.py (same names; the experts' weights stacked [E, ...], the hub's one Linear per
+expert at load and save: hf_expert_names), and the router's load-balancing loss. Qwen3MoE is the model.Qwen3
+subclass that plugs them in: its sparse layers get a SparseMoE as their block's MLP (the model's `mlp` argument),
+and the routers' statistics become the auxiliary loss (aux_loss), kept apart from the language-model loss (MoENLL).
+Its gradient reaches the routers through the activations (LoadBalance): the core's blocks carry only y.
 
     python -m pytest tests/test_moe.py -q
 """
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loss import NLL
 from model import MLP, Qwen3, Qwen3Config, _silu_mul, _swiglu, causal_attention, fused
+
+
+@dataclass
+class Qwen3MoeConfig(Qwen3Config):
+    """Qwen3Config and the fields of transformers' Qwen3MoeConfig (model_type "qwen3_moe"), with its defaults."""
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)  # dense layers among the sparse ones
+    output_router_logits: bool = False  # true: router_aux_loss_coef x the load-balancing loss joins the objective
+    router_aux_loss_coef: float = 0.001
+
+    def sparse(self, layer: int) -> bool:
+        """Is this layer a mixture of experts? Exactly as transformers' Qwen3MoeDecoderLayer decides."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
 
 def route(x, w_router, top_k: int, norm_topk_prob: bool):
@@ -80,7 +101,7 @@ class Experts(nn.Module):
     grouped GEMM per projection, and one tensor for FSDP2 to shard. The hub stores one Linear per expert
     (experts.E.gate_proj.weight): hf_names converts at load and save."""
 
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_proj = nn.Parameter(torch.empty(E, I, H).normal_(0.0, cfg.initializer_range))
@@ -92,17 +113,22 @@ class SparseMoE(nn.Module):
     """Qwen3-MoE's feed-forward block: the router (gate) sends each token to its top-k experts and adds their
     outputs, weighted by the router's probabilities."""
 
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.tile = 0  # rows per tile, as MLP.tile: routed and computed a tile at a time; 0 = untiled
-        self.router_stats = cfg.output_router_logits  # hand the load-balancing loss its sums
+        self.balance = None  # the LoadBalance of the model's forward while the load-balancing loss is on
 
     def forward(self, x, value_is_read=True):
-        """x [B, T, H] -> y [B, T, H], or with router_stats (y, counts [E], prob_sums [E]) (moe_rows), which the
-        block hands out for Qwen3MoE.aux_loss; value_is_read as for model.MLP."""
+        """x [B, T, H] -> y [B, T, H]; value_is_read as for model.MLP. Under a LoadBalance, y passes through it:
+        it records the router's statistics, and its backward adds the load-balancing loss's gradient."""
+        y, counts, prob_sums = self.with_stats(x, value_is_read)
+        return y if self.balance is None else self.balance(y, counts, prob_sums)
+
+    def with_stats(self, x, value_is_read=True):
+        """x [B, T, H] -> (y [B, T, H], counts [E], prob_sums [E]) (moe_rows)."""
         rows = x.reshape(-1, x.shape[-1])                                        # [B*T, H]
         ws = (self.gate.weight, self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
         with torch.profiler.record_function("moe"):  # named in profiles (bench/profile_step.py: "experts")
@@ -111,7 +137,7 @@ class SparseMoE(nn.Module):
                                                        *ws)
             else:
                 y, counts, prob_sums = moe_rows(rows, *ws, self.top_k, self.norm_topk_prob)
-        return (y.view(x.shape), counts, prob_sums) if self.router_stats else y.view(x.shape)
+        return y.view(x.shape), counts, prob_sums
 
 
 class _TiledMoE(torch.autograd.Function):
@@ -162,26 +188,48 @@ class _TiledMoE(torch.autograd.Function):
         return dx, None, None, None, None, *(a.to(w.dtype) for a, w in zip(acc, ws))
 
 
-class Qwen3MoE(Qwen3):
-    """Qwen3-MoE: a Qwen3 whose sparse layers (Qwen3Config.sparse) have a SparseMoE as their MLP. With
-    output_router_logits, the router's load-balancing loss comes with the language-model loss, apart from it: the
-    result's aux_sum (model.Qwen3.forward)."""
+@dataclass
+class MoENLL(NLL):
+    """loss.NLL and the load-balancing loss apart from it: aux_sum, on loss_sum's scale (None without
+    output_router_logits). total() is what backward starts from."""
+    aux_sum: torch.Tensor | None = None
 
-    def __init__(self, cfg: Qwen3Config, attn_fn=causal_attention, cp_sum=None):
+    def total(self):
+        return self.loss_sum if self.aux_sum is None else self.loss_sum + self.aux_sum
+
+
+class Qwen3MoE(Qwen3):
+    """Qwen3-MoE: a Qwen3 whose sparse layers (Qwen3MoeConfig.sparse) have a SparseMoE as their MLP. With labels,
+    forward returns a MoENLL; with output_router_logits its aux_sum is the load-balancing loss (aux_loss), and
+    out.total() backward gives the gradient of both."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, attn_fn=causal_attention, cp_sum=None):
         """cp_sum(t): sums a tensor in place over the ranks that hold parts of the same sequences (train.py: an
         all_reduce over the context-parallel group); None on one device. Only the load-balancing loss uses it."""
-        super().__init__(cfg, attn_fn)
+        super().__init__(cfg, attn_fn, mlp=lambda i: SparseMoE(cfg) if cfg.sparse(i) else MLP(cfg))
         self.cp_sum = cp_sum
 
-    def block_mlp(self, index: int) -> nn.Module:
-        return SparseMoE(self.cfg) if self.cfg.sparse(index) else MLP(self.cfg)
+    def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=2048, doc_lens=None):
+        """model.Qwen3.forward; with labels, a MoENLL."""
+        balance = LoadBalance() if labels is not None and self.cfg.output_router_logits else None
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.balance = balance
+        out = super().forward(input_ids, position_ids, labels, loss_chunk, doc_lens)
+        if labels is None:
+            return out
+        aux = None
+        if balance is not None and balance.counts:
+            balance.recording = False  # what a recomputed block runs in backward is not counted again
+            aux = self.aux_loss(balance, input_ids.numel(), out.n_valid, out.loss_sum).to(out.loss_sum.dtype)
+        return MoENLL(out.loss_sum, out.n_valid, out.row_nll, aux)
 
-    def aux_loss(self, extras: list, rows: int, n_valid):
+    def aux_loss(self, balance: "LoadBalance", rows: int, n_valid, loss_sum):
         """router_aux_loss_coef x transformers' load_balancing_loss_func x the trained tokens, this rank's share:
         the loss is a sum that train.py divides by the trained-token count, and then this term adds exactly
         coef * aux to the mean, as transformers' outputs.loss has it.
 
-        extras: each sparse block's (counts [E] float64, prob_sums [E]) over this rank's `rows` rows; summed over
+        balance: each sparse block's (counts [E] float64, prob_sums [E]) over this rank's `rows` rows; summed over
         the blocks, C and P. transformers' aux over all layers' rows (R of them, every token, trained or not) is
         E * sum_e (C_e / R) * (P_e / R), for the top-k counts C and probability sums P. The counts carry no
         gradient, so once C, R and the trained tokens are summed over the context-parallel group (cp_sum: one
@@ -190,16 +238,68 @@ class Qwen3MoE(Qwen3):
         Under data parallelism (or --grad_accum) each sequence has its own aux, weighted by its trained tokens.
         Two differences from transformers, both rounding only: the counts come from the routing's top-k of fp32
         probabilities (transformers takes top-k again of a softmax in the model's dtype, bf16 in training), and
-        P sums fp32 probabilities."""
-        counts, prob_sums = (torch.stack(t).sum(0) for t in zip(*extras))
-        counts, layers = counts.detach(), len(extras)  # a recomputed block hands counts out as differentiable
-        E = self.cfg.num_experts
+        P sums fp32 probabilities. The term is a node on loss_sum (_LoadBalancingLoss), whose backward hands
+        each block's prob_sums its gradient, coef * n * E * C / R^2 x the upstream one, through `balance`."""
+        counts, prob_sums = torch.stack(balance.counts).sum(0), torch.stack(balance.prob_sums).sum(0)
+        E, layers = self.cfg.num_experts, len(balance.counts)
         totals = torch.cat([counts, counts.new_tensor([rows]), n_valid.reshape(1).to(counts.dtype)])  # [E + 2]
         if self.cp_sum is not None:
             self.cp_sum(totals)
         C, R, n = totals[:E], totals[E] * layers, totals[E + 1]
-        share = ((E * C / R**2).to(prob_sums.dtype) * prob_sums).sum()
-        return self.cfg.router_aux_loss_coef * n.to(share.dtype) * share
+        w = (E * C / R**2).to(prob_sums.dtype)                        # [E] d(share) / d(P)
+        scale = self.cfg.router_aux_loss_coef * n.to(w.dtype)        # d(aux) / d(share)
+        return _LoadBalancingLoss.apply(loss_sum, scale * (w * prob_sums).sum(), balance, w, scale)
+
+
+class LoadBalance:
+    """One forward's load-balancing loss, carried beside the activations as Megatron-LM's MoEAuxLossAutoScaler
+    carries it: the gradient w.r.t. a block's probability sums, coef * n * E * C / R^2, needs the counts of every
+    block (and, under context parallelism, of every rank), known only when the forward is over. So each sparse
+    block's output passes through a node (_PassThrough) whose backward adds that gradient to the router's, and
+    the loss term itself is a node on loss_sum (_LoadBalancingLoss) that leaves the gradient here first: every
+    block's output leads to loss_sum, so autograd runs it before any block's backward."""
+
+    def __init__(self):
+        self.counts, self.prob_sums = [], []  # per sparse block, recorded by the forward: [E] float64, [E]
+        self.recording = True
+        self.grad = None  # [E]: the objective's gradient w.r.t. each block's prob_sums, once the term's backward ran
+
+    def __call__(self, y, counts, prob_sums):
+        """A SparseMoE's output y [B, T, H] and its router's statistics -> y, through the pass-through node."""
+        if self.recording:
+            self.counts.append(counts.detach())
+            self.prob_sums.append(prob_sums.detach())
+        return _PassThrough.apply(y, prob_sums, self) if prob_sums.requires_grad else y
+
+
+class _PassThrough(torch.autograd.Function):
+    """y as it is; backward: dy to y, and the load-balancing loss's gradient to the block's prob_sums (none when
+    the backward did not start from the loss term: out.loss_sum alone)."""
+
+    @staticmethod
+    def forward(ctx, y, prob_sums, balance):
+        ctx.balance = balance
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, ctx.balance.grad, None
+
+
+class _LoadBalancingLoss(torch.autograd.Function):
+    """The load-balancing loss's value (aux, computed from detached statistics) as a node on loss_sum. Its
+    backward stores d(objective)/d(prob_sums) = g * scale * w in balance for the blocks' _PassThrough nodes, and
+    gives loss_sum nothing (it only orders this node before the blocks')."""
+
+    @staticmethod
+    def forward(ctx, loss_sum, aux, balance, w, scale):
+        ctx.balance, ctx.w, ctx.scale = balance, w, scale
+        return aux.view_as(aux)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.balance.grad = g * ctx.scale * ctx.w
+        return None, None, None, None, None
 
 
 def hf_expert_names(name: str, num_experts: int) -> list[str] | None:

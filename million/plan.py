@@ -38,6 +38,7 @@ import torch
 
 from million.documents import document_area, parse_doc_lens
 from million import hf
+from million.moe import Qwen3MoeConfig
 from model import Qwen3Config, pinned_size
 
 
@@ -115,7 +116,7 @@ class Shape:
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
            loss_chunk=2048, attn_backend="cudnn", stochastic_rounding=False, lora_rank=0, lora_targets=(),
            quantize=""):
-        sparse = sum(mcfg.sparse(i) for i in range(mcfg.num_hidden_layers))
+        sparse = sum(map(mcfg.sparse, range(mcfg.num_hidden_layers))) if isinstance(mcfg, Qwen3MoeConfig) else 0
         moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse) if sparse else (0,) * 4
         return cls(mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                    mcfg.num_key_value_heads, mcfg.head_dim, mcfg.vocab_size, mcfg.tie_word_embeddings, seq_len, cp,

@@ -30,7 +30,7 @@ import data
 import parallel
 from million import plan
 from million import rundir
-from loss import row_logits
+from loss import mm_fp32
 
 # Each needle of a haystack has its own name, so that its question asks for it alone.
 NAMES = ("amber", "birch", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "jasper", "kestrel",
@@ -248,6 +248,11 @@ def head_weight(model):
     if hasattr(model, "unshard"):
         model.unshard()
     return model.head_weight()
+
+
+def row_logits(hidden, weight):
+    """hidden [n, H] @ weight.T -> [n, V] fp32 logits of a few rows: the answer rows alone, never [T, V]."""
+    return mm_fp32(hidden, weight.T)
 
 
 def answer_rows(w: Window) -> torch.Tensor:

@@ -169,7 +169,7 @@ def test_config_round_trips_through_transformers(tmp_path):
         assert getattr(again, f) == getattr(cfg, f) == getattr(hf_cfg, f), f
     assert "num_local_experts" not in H.config_to_dict(again) and H.config_to_dict(again)["num_experts"] == 5
     dense = Qwen3Config.tiny()
-    assert dense.num_experts == 0 and H.config_to_dict(dense)["model_type"] == "qwen3" and "num_experts" not in H.config_to_dict(dense)
+    assert getattr(dense, "num_experts", 0) == 0 and H.config_to_dict(dense)["model_type"] == "qwen3" and "num_experts" not in H.config_to_dict(dense)
     with pytest.raises(ValueError, match="num_experts >= num_experts_per_tok"):
         moe_cfg(num_experts=2, num_experts_per_tok=3)
 
@@ -249,7 +249,7 @@ def test_tiled_moe_makes_no_tensor_of_the_whole_sequence():
     def largest(tile):
         block.tile = tile
         with LargestTensor() as seen:
-            y, _, prob_sums = block(x)
+            y, _, prob_sums = block.with_stats(x)
             (y.sum() + prob_sums.sum()).backward()
         return seen.numel
     assert largest(0) >= 0.8 * N * 2 // 4 * I and largest(100) == N * H, (largest(0), largest(100))
@@ -373,7 +373,7 @@ def test_grouped_gemm_on_cuda_in_bf16():
     try:
         x = torch.randn(1, 1001, 256, generator=torch.Generator("cuda").manual_seed(0), device="cuda",
                         dtype=torch.bfloat16)
-        y, counts, _ = block(x)
+        y, counts, _ = block.with_stats(x)
     finally:
         moe.experts_grouped = grouped
     assert calls and counts.sum().item() == 1001 * 2 and y.shape == (1, 1001, 256)

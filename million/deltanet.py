@@ -1,0 +1,208 @@
+"""Gated DeltaNet, the linear attention of Qwen3.5 (qwen3_5.py): the chunked gated delta rule in pure torch, and the
+sequence mixing of a DeltaNet layer (its causal depthwise conv and the recurrence) on one device or over the ranks of
+a context-parallel group, for one sequence or a window of packed documents.
+
+Under context parallelism the state is carried across ranks with span summaries (DESIGN.md, "Qwen3.5"): over a span
+the state after is linear in the state before, S_out = M S_in + R (transformers' layout: S is [dk, dv], so M
+[dk, dk] multiplies from the left). Each rank summarises its chunks, the summaries are all-gathered, and a scan in
+sequence order gives every chunk the state it starts from.
+
+    python -m pytest tests/test_qwen3_5.py -q
+"""
+import bisect
+import functools
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallel import zigzag_layout
+
+CHUNK = 64  # tokens per chunk of the chunked rule, as fla and transformers
+
+
+def l2norm(x, eps=1e-6):
+    """x / sqrt(sum(x^2) + eps) over the last dim: fla's and transformers' form (eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK):
+    """The gated delta rule over one span, S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T and
+    o_t = S_t^T q_t, computed a chunk at a time (the form of fla and of transformers' torch_chunk_gated_delta_rule).
+
+    q, k [B, H, T, dk] (L2-normalised, q scaled by dk^-1/2), v [B, H, T, dv], g (log decay, <= 0) and beta
+    [B, H, T], all in one float dtype (fp32 or wider: the rule is not run in bf16); state [B, H, dk, dv] before the
+    span, None for zeros. -> (o [B, H, T, dv], state after the span [B, H, dk, dv]).
+
+    This is the seam for a GPU kernel: fla's chunk_gated_delta_rule(..., initial_state, output_final_state=True)
+    computes the same (with q, k, v as [B, T, H, d])."""
+    B, H, T, _ = k.shape
+    pad = -T % chunk  # padded tokens have beta 0 (write nothing) and g 0 (keep the state): the state passes through
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // chunk
+    q, k, v = (x.reshape(B, H, n, chunk, -1) for x in (q, k, v))                      # [B, H, n, C, d]
+    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)                 # [B, H, n, C]
+    cum = g.cumsum(-1)                                    # log decay from the chunk's start to each token
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()  # [B, H, n, C, C]
+    kb = k * beta[..., None]
+    # The chunk's C rank-one updates at once (the WY/UT transform): with L the strictly lower part of
+    # (beta k k^T) * decay, u = (I + L)^-1 (beta v) are the values written and w = (I + L)^-1 (beta k decayed) the
+    # keys through which the state before the chunk is read and corrected (the delta rule's "v - S^T k").
+    system = (kb @ k.transpose(-1, -2)) * decay                                       # [B, H, n, C, C]
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)  # [.., C, dv]
+    w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay              # within the chunk, token i reading token j <= i
+    q_in = q * cum.exp()[..., None]                       # q reading the state from before the chunk
+    k_out = k * (cum[..., -1:] - cum).exp()[..., None]    # k decayed to the chunk's end, writing the next state
+    last = cum[..., -1].exp()[..., None, None]            # [B, H, n, 1, 1] decay over the whole chunk
+    S = state if state is not None else q.new_zeros(B, H, k.shape[-1], v.shape[-1])
+    out = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ S                                           # [B, H, C, dv]
+        out.append(q_in[:, :, i] @ S + attn[:, :, i] @ v_new)
+        S = S * last[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ v_new              # [B, H, dk, dv]
+    return torch.stack(out, 2).reshape(B, H, n * chunk, -1)[:, :, :T], S
+
+
+# ---------------------------------------------------------------------------------------------
+# Where this rank's tokens lie in the window
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)  # one window's plan serves every layer, forward and backward
+def _plan(rank, world, t, doc_lens, layout):
+    """-> (chunk length c, all ranks' chunks, this rank's chunks). The window (world * t tokens) is cut into equal
+    chunks, layout[r] holding rank r's in increasing order (one chunk of t tokens on one device). Each of this rank's
+    chunks is (global index j, local start, doc start d, segments): d is where the document holding the chunk's first
+    token begins; segments are the chunk's local (start, stop) spans cut at document starts, so that every segment
+    after the first begins a document."""
+    total = world * t
+    doc_lens = doc_lens or (total,)
+    if sum(doc_lens) != total or min(doc_lens) < 1:
+        raise ValueError(f"doc_lens must be positive lengths summing to the window's {total} tokens, got {doc_lens}")
+    layout = ((0,),) if world == 1 else layout
+    c = t // len(layout[rank])
+    starts = [0, *itertools.accumulate(doc_lens)][:-1]
+    mine = []
+    for m, j in enumerate(layout[rank]):
+        g0, l0 = j * c, m * c  # global and local start
+        d = starts[bisect.bisect_right(starts, g0) - 1]
+        cuts = [s - g0 + l0 for s in starts if g0 < s < g0 + c]
+        mine.append((j, l0, d, tuple(zip([l0, *cuts], [*cuts, l0 + c]))))
+    return c, layout, tuple(mine)
+
+
+class _AllGather(torch.autograd.Function):
+    """x -> [world, *x.shape], every rank's x. Backward: each rank's gradient for the gathered copies is summed over
+    the ranks (an all-reduce: gloo has no reduce-scatter, and what passes here is small) and this rank keeps its
+    own slice. Every rank must use the result, so that every rank runs the backward's collective."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixer: a DeltaNet layer's conv and recurrence over this rank's tokens
+# ---------------------------------------------------------------------------------------------
+
+class DeltaNetMixer:
+    """What a DeltaNet layer needs from outside its tokens, passed to the model as `mixer`: group None (or of one
+    rank) is one device; else the context-parallel group whose ranks hold the window's chunks as `layout(world,
+    doc_lens)` says (parallel.cp_shard's layouts; None: zigzag; documents.cp_layout for balanced windows of
+    documents). The model never touches the group: only this object does.
+
+    Under context parallelism the exchange is exact and differentiable through _AllGather, and autograd runs the rest
+    of the backward (the scan's reverse included). Chosen over a hand-written backward for the reverse scan: it is
+    short and the same code serves forward and backward; what crosses the ranks is a few [dk, dk + dv] summaries
+    and K - 1 tokens per chunk, small next to a chunk's work."""
+
+    def __init__(self, group=None, layout=None):
+        self.group, self.layout = group, layout
+
+    def _where(self, t, doc_lens):
+        world = 1 if self.group is None else dist.get_world_size(self.group)
+        rank = 0 if world == 1 else dist.get_rank(self.group)
+        docs = None if doc_lens is None else tuple(int(n) for n in doc_lens)
+        layout = None
+        if world > 1:
+            layout = self.layout(world, docs) if self.layout else zigzag_layout(world)
+            layout = tuple(tuple(held) for held in layout)
+        return world, _plan(rank, world, t, docs, layout)
+
+    def conv(self, x, weight, doc_lens=None):
+        """Causal depthwise conv, x [B, T, C] this rank's tokens, weight [C, 1, K] -> [B, T, C] before the
+        activation. A token sees the K - 1 inputs before it in its document: across a chunk's start they come from
+        the chunk before it in the window (another rank's: the halo), at a document's start they are zeros."""
+        world, (c, layout, mine) = self._where(x.shape[1], doc_lens)
+        K = weight.shape[-1]
+        if world > 1:
+            if c < K - 1:
+                raise ValueError(f"chunks of {c} tokens are shorter than the conv's {K - 1} tokens of history")
+            tails = torch.stack([x[:, l0 + c - K + 1:l0 + c] for _, l0, _, _ in mine])  # [n_local, B, K-1, C]
+            gathered = _AllGather.apply(tails, self.group)                 # [world, n_local, B, K-1, C]
+            tail_of = {j: gathered[r, m] for r, held in enumerate(layout) for m, j in enumerate(held)}
+        out = []
+        for j, l0, d, segments in mine:
+            for s0, s1 in segments:
+                prefix = x.new_zeros(x.shape[0], K - 1, x.shape[2])               # [B, K-1, C]
+                if world > 1 and s0 == l0 and j > 0:  # the halo, kept where it lies in the same document
+                    keep = torch.arange(j * c - K + 1, j * c, device=x.device) >= d
+                    prefix = tail_of[j - 1] * keep[:, None].to(x.dtype)    # used even if all masked: see _AllGather
+                seg = torch.cat([prefix, x[:, s0:s1]], 1).transpose(1, 2).to(weight.dtype)  # [B, C, K-1+len]
+                out.append(F.conv1d(seg, weight, groups=weight.shape[0]).transpose(1, 2))
+        return torch.cat(out, 1).to(x.dtype)
+
+    def rule(self, q, k, v, g, beta, doc_lens=None):
+        """The gated delta rule over this rank's tokens: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T]
+        (chunk_gated_delta_rule's arguments) -> o [B, H, T, dv]. The state starts from zero at each document.
+
+        Under context parallelism, each chunk's first segment runs once with the state columns [0 | I] beside the
+        values (v padded with dk zero columns): its output is then [o0 | A] and its final state [R | M], so that
+        the output from the true initial state S is o0 + A S (o_t is linear in S), and (M, R) is the summary the
+        scan needs. One pass, no second run once S is known."""
+        world, (c, layout, mine) = self._where(q.shape[2], doc_lens)
+        B, H, _, dk = k.shape
+        dv = v.shape[-1]
+        out, pending, summaries = [], [], []
+        for j, l0, d, segments in mine:
+            carried = d < j * c  # the chunk's first token continues a document begun before the chunk
+            for s0, s1 in segments:
+                part = [x[:, :, s0:s1] for x in (q, k, v, g, beta)]
+                if world == 1 or s0 != l0:  # one device, or a segment that begins a document: from zero
+                    o, state = chunk_gated_delta_rule(*part)
+                    out.append(o)
+                    continue
+                # every rank's first segments run this way, even from a document's start (then S is multiplied by
+                # 0): each rank then uses the gathered summaries, as _AllGather needs
+                eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(B, H, dk, dk)
+                part[2] = F.pad(part[2], (0, dk))                                 # v -> [v | 0]
+                o, state = chunk_gated_delta_rule(*part, F.pad(eye, (dv, 0)))    # state [B, H, dk, dv + dk]
+                out.append(o[..., :dv])
+                pending.append((len(out) - 1, j, o[..., dv:], carried))          # A [B, H, len, dk]
+                M = state[..., dv:]
+            if world > 1:  # the chunk's summary [R | M]; past a document start in the chunk, S_in reaches nothing
+                M = M if carried and len(segments) == 1 else torch.zeros_like(M)
+                summaries.append(torch.cat([state[..., :dv], M], -1))
+        if world == 1:
+            return torch.cat(out, 2)
+        gathered = _AllGather.apply(torch.stack(summaries), self.group)          # [world, n_local, B, H, dk, dv+dk]
+        summary = {j: gathered[r, m] for r, held in enumerate(layout) for m, j in enumerate(held)}
+        S, start = q.new_zeros(B, H, dk, dv), []
+        for j in range(len(summary)):  # the scan, in sequence order: S_out = M S_in + R
+            start.append(S)
+            S = summary[j][..., dv:] @ S + summary[j][..., :dv]
+        for i, j, A, carried in pending:
+            out[i] = out[i] + A @ (start[j] * float(carried))
+        return torch.cat(out, 2)

@@ -1,0 +1,372 @@
+"""Qwen3.5's text decoder, an extension of model.py: a hybrid of Gated DeltaNet layers (linear attention, deltanet.py)
+and gated full-attention layers (every 4th by default), with zero-centred RMSNorm. It reads like transformers'
+modeling_qwen3_5.py (same names, so state dicts convert 1:1) and is checked against it (tests/test_qwen3_5.py).
+
+As model.Qwen3, the model never imports torch.distributed: the attention layers call `attn_fn(q, k, v[, doc_lens])`
+(the ring of parallel.py under context parallelism) and the DeltaNet layers call `mixer` (a deltanet.DeltaNetMixer,
+holding the cp group). Text only: with text positions M-RoPE's three sections (t, h, w) carry the same position,
+which is plain RoPE on the rotary part of each head. Also here: the HF config.json (qwen3_5_text, or the
+vision-language qwen3_5 whose text_config is this decoder) and safetensors in and out; a composite checkpoint's
+other weights (vision tower, MTP head) pass through a save unchanged.
+
+    python -c "from million.qwen3_5 import *; m = Qwen3_5(Qwen3_5Config.tiny()); print(m(torch.zeros(1, 8).long()).shape)"
+    python -m pytest tests/test_qwen3_5.py -q
+"""
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loss import chunked_nll
+from model import MLP, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
+from million.deltanet import DeltaNetMixer, l2norm
+from million.hf import parse_rope
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass
+class Qwen3_5Config:
+    """The text decoder's shape; defaults are transformers' Qwen3_5TextConfig (the 9B)."""
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    layer_types: list = None  # per layer, "linear_attention" or "full_attention"; None: every 4th full
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    partial_rotary_factor: float = 0.25  # RoPE turns the first quarter of each head
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None     # None or YaRN, as model.Qwen3Config's
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    raw: dict = field(default_factory=dict, repr=False)  # the config.json as read (composite or text), for a save
+    source: str | None = None  # the folder read: a save copies its weights outside the text decoder from there
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                for i in range(self.num_hidden_layers)]
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad or len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types must give one of {LAYER_TYPES} per layer ({self.num_hidden_layers}); "
+                             f"got {len(self.layer_types)} entries{', unknown ' + str(bad) if bad else ''}")
+        if self.num_attention_heads % self.num_key_value_heads or \
+                self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("query heads must be a multiple of KV heads, DeltaNet value heads of key heads")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def tiny(cls, **kw) -> "Qwen3_5Config":
+        """Small and awkward, for tests: 3 DeltaNet layers and 1 attention layer, 5 query heads on 1 KV head, 3 key
+        heads serving 6 value heads, dk != dv, vocabulary 257."""
+        return dataclasses.replace(cls(
+            vocab_size=257, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=5,
+            num_key_value_heads=1, head_dim=16, linear_num_key_heads=3, linear_num_value_heads=6,
+            linear_key_head_dim=12, linear_value_head_dim=10, max_position_embeddings=4096), **kw)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "Qwen3_5Config":
+        """An HF config.json dict: model_type 'qwen3_5_text', or 'qwen3_5' (a vision-language model; its
+        text_config is what is trained here)."""
+        kind = d.get("model_type")
+        if kind not in ("qwen3_5", "qwen3_5_text"):
+            raise ValueError(f"{d.get('_name_or_path', 'config.json')}: model_type {kind!r} is not Qwen3.5; "
+                             "supported: 'qwen3_5' (its text_config) and 'qwen3_5_text'.")
+        t = d.get("text_config") or {} if kind == "qwen3_5" else d
+        if t.get("hidden_act", "silu") != "silu" or t.get("attention_bias"):
+            raise ValueError("Qwen3.5 with hidden_act other than silu or with attention_bias is not supported")
+        theta, scaling = parse_rope(t)
+        rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("raw", "source", "rope_theta",
+                                                                            "rope_scaling", "layer_types")]
+        kw = {n: t[n] for n in names if t.get(n) is not None}
+        kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
+        kw.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
+        n = kw.get("num_hidden_layers", cls.num_hidden_layers)
+        every = t.get("full_attention_interval", 4)
+        types = t.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                         for i in range(n)]
+        return cls(**kw, layer_types=list(types), rope_theta=theta, rope_scaling=scaling, raw=dict(d))
+
+    def to_hf_dict(self) -> dict:
+        """config.json for a save: the dict read (composite or text) with this shape and RoPE written in."""
+        d = json.loads(json.dumps(self.raw)) if self.raw else {"model_type": "qwen3_5_text"}
+        composite = d["model_type"] == "qwen3_5"
+        t = d.setdefault("text_config", {}) if composite else d
+        t.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("raw", "source", "rope_theta", "rope_scaling", "partial_rotary_factor")},
+                 layer_types=list(self.layer_types), hidden_act="silu", attention_bias=False)
+        old = t.pop("rope_scaling", None) or t.get("rope_parameters") or {}
+        rope = {k: v for k, v in old.items() if k in ("mrope_section", "mrope_interleaved")}
+        rope.update(self.rope_scaling or {}, rope_type="yarn" if self.rope_scaling else "default",
+                    rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor)
+        t["rope_parameters"] = rope
+        t.pop("rope_theta", None)
+        t.pop("partial_rotary_factor", None)
+        if composite:
+            t["model_type"] = "qwen3_5_text"
+            d["tie_word_embeddings"] = self.tie_word_embeddings
+        d["architectures"] = ["Qwen3_5ForConditionalGeneration" if composite else "Qwen3_5ForCausalLM"]
+        return d
+
+
+def read_config(folder: str) -> Qwen3_5Config:
+    with open(os.path.join(folder, "config.json")) as fh:
+        return dataclasses.replace(Qwen3_5Config.from_hf_dict(json.load(fh)), source=folder)
+
+
+# --- Layers ------------------------------------------------------------------------------------
+
+class ZeroCentredRMSNorm(nn.Module):
+    """y = x / rms(x) * (1 + w), w starting at 0 (transformers' Qwen3_5RMSNorm), in fp32 (or wider), rounded once."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.zeros(dim)), eps
+
+    def forward(self, x):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight.to(xf.dtype))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = w * x / rms(x) * silu(z) (transformers' Qwen3_5RMSNormGated: a plain weight, starting at 1)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x, z):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(acc)
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(z.to(acc))).to(x.dtype)
+
+
+def partial_rope(x, cos, sin):
+    """x [B, T, H, D]; cos/sin [B, T, rotary_dim]: RoPE on the first rotary_dim of each head, the rest as is."""
+    r = cos.shape[-1]
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Causal attention (GQA, q/k norm, partial RoPE) whose output is gated per channel by sigmoid of a second half
+    of q_proj: q_proj gives, per head, head_dim query channels then head_dim gate channels."""
+
+    def __init__(self, cfg: Qwen3_5Config):
+        super().__init__()
+        self.hq, self.hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.hq * self.hd * 2, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attend, doc_lens=None):
+        """x [B, T, H] -> [B, T, H]; attend(q, k, v[, doc_lens]) on [B, heads, T, D], as model.Attention calls it."""
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.hq, 2, self.hd).unbind(3)                   # [B, T, Hq, D] each
+        q = partial_rope(self.q_norm(q), cos, sin)                                            # [B, T, Hq, D]
+        k = partial_rope(self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)), cos, sin)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.hkv, self.hd)
+        o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *(() if doc_lens is None else (doc_lens,)))
+        o = o.transpose(1, 2).reshape(B, T, self.hq * self.hd)                                # [B, T, Hq * D]
+        return self.o_proj(o * torch.sigmoid(gate.reshape(B, T, -1)))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule (arXiv:2412.06464). Projections, then a causal depthwise conv with
+    SiLU over [q | k | v], L2-normalised q and k, a decay g and a write strength beta per value head and token, the
+    recurrence (deltanet.py), a gated RMSNorm with z, out_proj. Each key head serves value heads / key heads
+    consecutive value heads."""
+
+    def __init__(self, cfg: Qwen3_5Config):
+        super().__init__()
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.nv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.nv * self.dv, cfg.hidden_size, bias=False)
+
+    def forward(self, x, mixer, doc_lens=None):
+        """x [B, T, H] -> [B, T, H]; mixer: deltanet.DeltaNetMixer (one device or a cp group)."""
+        B, T, _ = x.shape
+        acc = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in fp32 (or wider)
+        qkv = F.silu(mixer.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_lens))          # [B, T, conv_dim]
+        q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
+        heads = self.nv // self.nk
+
+        def per_value_head(t):  # [B, T, nk * dk] -> [B, nv, T, dk], normalised, in acc
+            t = l2norm(t.reshape(B, T, self.nk, self.dk).to(acc))
+            return t.repeat_interleave(heads, dim=2).transpose(1, 2)
+
+        q, k = per_value_head(q) * self.dk ** -0.5, per_value_head(k)
+        v = v.reshape(B, T, self.nv, self.dv).transpose(1, 2).to(acc)                         # [B, nv, T, dv]
+        g = -self.A_log.to(acc).exp() * F.softplus(self.in_proj_a(x).to(acc) + self.dt_bias)  # [B, T, nv] log decay
+        beta = self.in_proj_b(x).sigmoid().to(acc)                                            # [B, T, nv]
+        o = mixer.rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), doc_lens)           # [B, nv, T, dv]
+        o = self.norm(o.transpose(1, 2).to(x.dtype), self.in_proj_z(x).view(B, T, self.nv, self.dv))
+        return self.out_proj(o.reshape(B, T, self.nv * self.dv))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen3_5Config, index: int):
+        super().__init__()
+        self.linear = cfg.layer_types[index] == "linear_attention"
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)  # model.py's SwiGLU: same names, same math
+
+    def forward(self, x, cos, sin, attn_fn, mixer, doc_lens=None):
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, mixer, doc_lens) if self.linear else self.self_attn(h, cos, sin, attn_fn, doc_lens)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5(nn.Module):
+    """The text decoder with its head (transformers' Qwen3_5ForCausalLM). attn_fn as model.Qwen3's; mixer: the
+    DeltaNet layers' deltanet.DeltaNetMixer (default: one device)."""
+
+    def __init__(self, cfg: Qwen3_5Config, attn_fn=causal_attention, mixer=None):
+        super().__init__()
+        self.cfg, self.attn_fn, self.mixer = cfg, attn_fn, mixer or DeltaNetMixer()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def head_weight(self):
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=2048, doc_lens=None):
+        """As model.Qwen3.forward: input_ids [B, T] (this rank's shard) -> hidden [B, T, H] after the final norm, or
+        with labels [B, T] loss.NLL (loss_sum, n_valid). doc_lens: the (global) window's document lengths; then
+        position_ids [B, T] must be given, counting from 0 in each document."""
+        B, T = input_ids.shape
+        if doc_lens is not None and position_ids is None:
+            raise ValueError("doc_lens needs position_ids: the positions inside each document, from 0")
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        if position_ids.dim() != 2:
+            raise ValueError("position_ids must be [B, T]: text positions only (no M-RoPE image grids)")
+        dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
+        rope = SimpleNamespace(head_dim=self.cfg.rotary_dim, rope_theta=self.cfg.rope_theta,
+                               rope_scaling=self.cfg.rope_scaling)  # model.py's RoPE over the rotary part
+        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(rope), dtype)                 # [B, T, rotary_dim]
+        x = self.embed_tokens(input_ids)                                                   # [B, T, H]
+        for block in self.layers:
+            x = block(x, cos, sin, self.attn_fn, self.mixer, doc_lens)
+        h = self.norm(x)
+        if labels is None:
+            return h
+        return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
+
+    def logits(self, input_ids, position_ids=None, doc_lens=None):
+        """Full logits [B, T, V], for tests and short evaluation only."""
+        return self(input_ids, position_ids, doc_lens=doc_lens) @ self.head_weight().T
+
+    @torch.no_grad()
+    def init_weights(self, generator=None):
+        """As transformers initialises: normal(0, initializer_range) matrices, zero-centred norms at 0, gated norms
+        and dt_bias at 1, A = exp(A_log) uniform in [1, 16]."""
+        for name, p in self.named_parameters():
+            if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif name.endswith("norm.weight"):
+                p.zero_()
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=generator).log())
+            else:
+                p.normal_(0.0, self.cfg.initializer_range, generator=generator)
+
+
+# --- HF checkpoints ------------------------------------------------------------------------------
+
+def _prefix(cfg: Qwen3_5Config) -> str:
+    """Where the text decoder's weights sit in the checkpoint: a composite model nests it as language_model."""
+    return "model.language_model." if cfg.raw.get("model_type") == "qwen3_5" else "model."
+
+
+def hf_name(name: str, cfg: Qwen3_5Config) -> str:
+    return name if name.startswith("lm_head.") else _prefix(cfg) + name
+
+
+def _read_safetensors(folder: str) -> dict:
+    from safetensors.torch import load_file
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    return {k: t for f in files for k, t in load_file(os.path.join(folder, f)).items()}
+
+
+def _is_text(hf: str, cfg: Qwen3_5Config) -> bool:
+    return hf.startswith(_prefix(cfg)) or hf.startswith("lm_head.")
+
+
+def load_state_dict_from_hf(folder: str, cfg: Qwen3_5Config, names: list, dtype) -> dict:
+    """Our parameter names -> tensors in dtype from folder's *.safetensors; the text decoder's weights only."""
+    tensors = _read_safetensors(folder)
+    missing = [n for n in names if hf_name(n, cfg) not in tensors]
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks {len(missing)} weights of the text decoder, e.g. {missing[:3]}")
+    extra = sorted(k for k in tensors if _is_text(k, cfg) and k not in {hf_name(n, cfg) for n in names}
+                   and k != "lm_head.weight")  # a tied model may still carry a head
+    if extra:
+        raise ValueError(f"{folder}: checkpoint has text weights this model does not, e.g. {extra[:3]}")
+    return {n: tensors[hf_name(n, cfg)].to(dtype) for n in names}
+
+
+def from_pretrained(folder: str, dtype=torch.bfloat16, attn_fn=causal_attention, mixer=None) -> Qwen3_5:
+    cfg = read_config(folder)
+    with torch.device("meta"):
+        model = Qwen3_5(cfg, attn_fn, mixer)
+    sd = load_state_dict_from_hf(folder, cfg, list(model.state_dict()), dtype)
+    model.load_state_dict(sd, assign=True)
+    return model
+
+
+def save_hf(out_dir: str, cfg: Qwen3_5Config, state_dict: dict):
+    """config.json + model.safetensors that transformers loads (AutoModelForCausalLM: Qwen3_5ForCausalLM). For a
+    composite checkpoint, the weights outside the text decoder (model.visual.*, mtp.*) are copied from cfg.source
+    as they were read."""
+    from safetensors.torch import save_file
+    tensors = {hf_name(n, cfg): t.detach().cpu().contiguous() for n, t in state_dict.items()}
+    if cfg.source:
+        tensors.update({k: t for k, t in _read_safetensors(cfg.source).items() if not _is_text(k, cfg)})
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump({**cfg.to_hf_dict(), "dtype": dtype}, fh, indent=2)
+
+
+def save_pretrained(model: Qwen3_5, out_dir: str, state_dict=None):
+    save_hf(out_dir, model.cfg, state_dict if state_dict is not None else model.state_dict())

@@ -1,0 +1,274 @@
+"""Qwen3.5 (million/qwen3_5.py, million/deltanet.py): against transformers' Qwen3_5ForCausalLM (logits, loss, every
+gradient), against a token-by-token recurrence, and against itself under context parallelism (cp 1, 2, 4 under
+gloo, one spawn per world size) and with packed documents; the HF round trip.
+
+    python -m pytest tests/test_qwen3_5.py -q -p no:xdist
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from million import documents
+from million.deltanet import DeltaNetMixer, chunk_gated_delta_rule
+from million.qwen3_5 import Qwen3_5, Qwen3_5Config, from_pretrained, hf_name, read_config, save_pretrained
+from parallel import RingAttention, cp_shard, cp_unshard
+from test_ring import run_ranks
+
+T = 296                 # 2 * cp * 37 for cp 1, 2, 4; not a multiple of the rule's 64-token chunks
+DOCS = (73, 75, 37, 111)  # starts 0, 73, 148, 185: one a token before a cp=2/4 chunk start (the conv's halo is cut),
+#                           two on cp=4 chunk starts, one inside a chunk; documents crossing ranks
+
+
+def make_model(dtype, cfg=None, **kw):
+    """The tiny model with weights drawn from a fixed seed, norms and dt_bias moved off their initial values (a
+    zero-centred norm read as x * w instead of x * (1 + w) would pass at w = 0)."""
+    gen = torch.Generator().manual_seed(0)
+    model = Qwen3_5(cfg or Qwen3_5Config.tiny(), **kw)
+    model.init_weights(gen)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.to(dtype)
+
+
+def inputs(batch=2, t=T, seed=1):
+    ids = torch.randint(0, 257, (batch, t), generator=torch.Generator().manual_seed(seed))
+    labels = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], 1)  # the target of position i is token i + 1
+    return ids, labels
+
+
+def doc_inputs():
+    """A window of DOCS: ids, labels with no target across a document's end, positions from 0 in each document."""
+    ids, labels = inputs()
+    ends = torch.tensor(DOCS).cumsum(0)
+    labels[:, ends - 1] = -100
+    pos = torch.cat([torch.arange(n) for n in DOCS]).expand(2, T)
+    return ids, labels, pos
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_close(got, want, where, tol=1e-10):
+    """Every gradient within tol (fp64). The head's within 1e-5: loss.chunked_nll accumulates grad_weight in fp32
+    whatever the dtype (measured 3.7e-6 on entries up to 9)."""
+    for name, g in want.items():
+        t = 1e-5 if name == "lm_head.weight" else tol
+        torch.testing.assert_close(got[name], g, atol=t, rtol=t, msg=f"{name}, {where}")
+
+
+# --- against transformers --------------------------------------------------------------------------
+
+def hf_twin(model):
+    """transformers' Qwen3_5ForCausalLM from the same config, our weights copied in (strict: every name maps)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    d = {k: v for k, v in model.cfg.to_hf_dict().items() if k != "architectures"}
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**d)).to(model.embed_tokens.weight.dtype)
+    hf.load_state_dict({hf_name(n, model.cfg): t for n, t in model.state_dict().items()}, strict=True)
+    return hf
+
+
+def test_matches_transformers():
+    """fp32 (transformers runs the rule and RoPE in fp32 whatever the dtype): logits within 2e-6 (their scale is
+    ~1), the mean loss within 1e-6 relative, every gradient within 1e-6 absolute (largest ~2e-2) + 1e-4 relative."""
+    model = make_model(torch.float32)
+    hf = hf_twin(model)
+    ids, labels = inputs()
+    out = model(ids, labels=labels)
+    (out.loss_sum / out.n_valid).backward()
+    ref = hf(ids, labels=ids)  # transformers shifts the labels itself
+    ref.loss.backward()
+    assert len(model.cfg.layer_types) == 4 and set(model.cfg.layer_types) == {"linear_attention", "full_attention"}
+    torch.testing.assert_close(model.logits(ids), ref.logits, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.loss_sum / out.n_valid, ref.loss, atol=0, rtol=1e-6)
+    theirs = dict(hf.named_parameters())
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, theirs[hf_name(name, model.cfg)].grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def naive_delta_rule(q, k, v, g, beta, state):
+    """The recurrence token by token, S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
+    o_t = S_t^T q_t, S [B, H, dk, dv]."""
+    out = []
+    for t in range(q.shape[2]):
+        kt, vt, b = k[:, :, t, :, None], v[:, :, t, None, :], beta[:, :, t, None, None]
+        state = g[:, :, t, None, None].exp() * (state - b * kt @ (kt.transpose(-1, -2) @ state)) + b * kt @ vt
+        out.append((q[:, :, t, None, :] @ state)[:, :, 0])
+    return torch.stack(out, 2), state
+
+
+def test_chunked_rule_matches_recurrence():
+    """fp64, 150 tokens (two full chunks and a part), from a non-zero state: within 1e-10."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, dk, dv = 2, 3, 150, 12, 10
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, L, dk, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(B, H, L, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, H, L, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, H, L, generator=gen, dtype=torch.float64)
+    s0 = torch.randn(B, H, dk, dv, generator=gen, dtype=torch.float64)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    o_ref, s_ref = naive_delta_rule(q, k, v, g, beta, s0)
+    torch.testing.assert_close(o, o_ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=1e-10)
+
+
+# --- packed documents on one device -----------------------------------------------------------------
+
+def test_documents_equal_separate_runs():
+    """fp64: the window of DOCS (state and conv restart at each document) gives each token the hidden state of its
+    document run alone within 1e-10 and its NLL (fp32 in loss.py) within 1e-6; the gradients of the summed loss equal the sum over the separate runs
+    (assert_grads_close)."""
+    model = make_model(torch.float64, attn_fn=documents.masked_attention)
+    ids, labels, pos = doc_inputs()
+    out = model(ids, pos, labels, doc_lens=DOCS)
+    out.loss_sum.backward()
+    window = grads(model)
+    model.zero_grad()
+    rows, start = [], 0
+    for n in DOCS:
+        alone = model(ids[:, start:start + n], labels=labels[:, start:start + n])
+        alone.loss_sum.backward()
+        rows.append(alone.row_nll.view(2, n))
+        start += n
+    torch.testing.assert_close(out.row_nll.view(2, T), torch.cat(rows, 1), atol=1e-6, rtol=1e-6)  # fp32 NLL
+    with torch.no_grad():
+        hidden = [model(part) for part in ids.split(DOCS, 1)]
+        torch.testing.assert_close(model(ids, pos, doc_lens=DOCS), torch.cat(hidden, 1), atol=1e-10, rtol=1e-10)
+    assert_grads_close(window, grads(model), "documents")
+    # the documents matter: the same window read as one sequence differs
+    assert not torch.allclose(model(ids, labels=labels).row_nll, out.row_nll, atol=1e-3)
+
+
+# --- context parallelism --------------------------------------------------------------------------
+
+def _cp_case(rank, world, group, docs):
+    """This rank's loss_sum, row_nll and gradients for the window (docs None: one sequence, zigzag)."""
+    layout = documents.cp_layout(world, docs)
+    attn = RingAttention(group, schedule=documents.schedule)
+    model = make_model(torch.float64, attn_fn=attn, mixer=DeltaNetMixer(group, layout=documents.cp_layout))
+    if docs is None:
+        ids, labels = inputs()
+        pos = torch.arange(T).expand(2, T)
+    else:
+        ids, labels, pos = doc_inputs()
+    ids, labels, pos = (cp_shard(x, 1, rank, world, layout) for x in (ids, labels, pos))
+    out = model(ids, pos, labels, doc_lens=docs)
+    out.loss_sum.backward()
+    with torch.no_grad():
+        hidden = model(ids, pos, doc_lens=docs)
+    return dict(loss_sum=out.loss_sum.detach(), row_nll=out.row_nll.view(2, -1), hidden=hidden, grads=grads(model))
+
+
+def _cp_main(rank, world, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = {docs: _cp_case(rank, world, dist.group.WORLD, docs) for docs in (None, DOCS)}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The one-device runs (no process group), fp64, for both windows."""
+    out = {}
+    for docs in (None, DOCS):
+        model = make_model(torch.float64, attn_fn=documents.masked_attention)
+        ids, labels, pos = doc_inputs() if docs else (*inputs(), None)
+        nll = model(ids, pos, labels, doc_lens=docs)
+        nll.loss_sum.backward()
+        with torch.no_grad():
+            hidden = model(ids, pos, doc_lens=docs)
+        out[docs] = dict(loss_sum=nll.loss_sum.detach(), row_nll=nll.row_nll.view(2, T), hidden=hidden,
+                         grads=grads(model))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_context_parallel_equals_one_device(world, reference, tmp_path):
+    """fp64, cp ranks under gloo, for one sequence (zigzag) and for the window of documents (documents.cp_layout's
+    balanced chunks) against the one-device run: the final hidden states (unsharded) within 1e-10, the gradients
+    summed over the ranks within 1e-10 (the head's: assert_grads_close), the loss and each token's NLL (fp32 in
+    loss.py) within 1e-6 relative."""
+    ranks = run_ranks(world, tmp_path, main=_cp_main)
+    for docs in (None, DOCS):
+        want, got = reference[docs], [r[docs] for r in ranks]
+        where = f"world {world}, docs {docs}"
+        layout = documents.cp_layout(world, docs)
+        torch.testing.assert_close(cp_unshard([r["hidden"] for r in got], 1, layout), want["hidden"],
+                                   atol=1e-10, rtol=1e-10, msg=where)
+        # chunked_nll's NLL is fp32: loss_sum summed in another order, row_nll rounded once
+        torch.testing.assert_close(sum(r["loss_sum"] for r in got), want["loss_sum"], atol=0, rtol=1e-6, msg=where)
+        torch.testing.assert_close(cp_unshard([r["row_nll"] for r in got], 1, layout), want["row_nll"],
+                                   atol=1e-6, rtol=1e-6, msg=where)
+        assert_grads_close({n: sum(r["grads"][n] for r in got) for n in want["grads"]}, want["grads"], where)
+
+
+# --- HF checkpoints -------------------------------------------------------------------------------
+
+def test_save_pretrained_loads_in_transformers(tmp_path):
+    """save_pretrained -> transformers' AutoModelForCausalLM gives our logits (fp32, within 2e-6); our
+    from_pretrained reads back the same weights exactly."""
+    from transformers import AutoModelForCausalLM
+    model = make_model(torch.float32)
+    save_pretrained(model, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    ids, _ = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=2e-6, rtol=1e-5)
+    back = from_pretrained(str(tmp_path), torch.float32)
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], t, atol=0, rtol=0, msg=name)
+
+
+def test_composite_checkpoint_passes_other_weights_through(tmp_path):
+    """A qwen3_5 (vision-language) folder: the text decoder is read from model.language_model.*, the vision tower and
+    MTP tensors come out of a save byte for byte, and transformers loads the save with our logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    model = make_model(torch.float32)
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    text = {k: v for k, v in model.cfg.to_hf_dict().items() if k != "architectures"}
+    composite = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                 "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
+                 "image_token_id": 5}
+    (src / "config.json").write_text(json.dumps(composite))
+    gen = torch.Generator().manual_seed(5)
+    others = {"model.visual.blocks.0.attn.qkv.weight": torch.randn(6, 4, generator=gen).bfloat16(),
+              "model.visual.merger.norm.bias": torch.randn(3, generator=gen),
+              "mtp.layers.0.mlp.up_proj.weight": torch.randn(4, 2, generator=gen).half()}
+    text_weights = {"model.language_model." + n if not n.startswith("lm_head") else n: t
+                    for n, t in model.state_dict().items()}
+    save_file({**text_weights, **others}, src / "model.safetensors")
+    loaded = from_pretrained(str(src), torch.float32)
+    assert read_config(str(src)).hidden_size == model.cfg.hidden_size
+    ids, _ = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.logits(ids), model.logits(ids), atol=0, rtol=0)
+    save_pretrained(loaded, out)
+    saved = load_file(out / "model.safetensors")
+    for name, t in others.items():
+        assert saved[name].dtype == t.dtype and saved[name].view(torch.uint8).equal(t.view(torch.uint8)), name
+    assert set(saved) == set(text_weights) | set(others)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["vision_config"] == {"depth": 1}
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=2e-6, rtol=1e-5)
+
+
+def test_unsupported_model_type_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="model_type 'llama' is not Qwen3.5"):
+        read_config(str(tmp_path))
+    with pytest.raises(ValueError, match="layer_types"):
+        Qwen3_5Config.tiny(layer_types=["linear_attention"] * 3 + ["sliding_attention"])

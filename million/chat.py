@@ -26,9 +26,9 @@ import numpy as np
 import pyarrow.parquet as pq
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from data import Document, iter_books, load_tokenizer, parse_synthetic, tokenized, WindowLoader
+from data import (DEFAULT_PG19_REPO, ByteTokenizer, Document, HFTokenizer, Skipped, WindowLoader, files_of, iter_books,
+                  load_tokenizer, parse_synthetic, read_rows, tokenized)
 from million.packing import PACKINGS, PackedLoader
-from million.sources import DEFAULT_PG19_REPO, Skipped, files_of, read_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 ROW_FIELDS = ("messages", "tools", "prompt", "completion", "chat_template_kwargs")  # read besides the text column
@@ -51,6 +51,24 @@ def row_format(row: dict, text_column: str = "text") -> str:
     nulls = sorted(set(row) - has)
     raise RowError(f"no field {text_column!r}, 'messages', or 'prompt' and 'completion'; its fields are "
                    f"{sorted(has)}" + (f" and null {nulls}" if nulls else ""))
+
+
+def model_folder(tokenizer) -> Path | None:
+    """The folder of a tokenizer's tokenizer.json (a model folder), where its chat template lives; None for the byte
+    tokenizer, which has no files."""
+    return tokenizer.path.parent if isinstance(tokenizer, HFTokenizer) else None
+
+
+def encode_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """ids [n] int64 and character spans [n, 2] of one encoding of `text` (no special tokens added): what
+    apply_chat_template(tokenize=True) makes of a rendered conversation. The byte tokenizer's character starts at
+    each byte that is not a UTF-8 continuation byte (0b10xxxxxx)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        char = np.cumsum((ids & 0xC0) != 0x80) - 1
+        return ids, np.stack([char, char + 1], 1)
+    enc = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+    return np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
 
 
 def load_chat_template(folder) -> str:
@@ -232,7 +250,7 @@ def row_document(row: dict, tokenizer, *, chat_template: str | None = None, temp
         return ids, np.ones(len(ids), dtype=bool)
     prompt, completion = row.get("prompt"), row.get("completion")
     if kind == "prompt_completion" and isinstance(prompt, str) and isinstance(completion, str):
-        ids, offsets = tokenizer.encode_offsets(prompt + completion)
+        ids, offsets = encode_offsets(tokenizer, prompt + completion)
         trained = _tokens_in(offsets, [(len(prompt), len(prompt) + len(completion))]) if completion_only_loss \
             else np.ones(len(ids), dtype=bool)
         ids, trained = np.concatenate([ids, eos]), np.append(trained, True)
@@ -253,7 +271,7 @@ def row_document(row: dict, tokenizer, *, chat_template: str | None = None, temp
             raise
         except Exception as err:  # the template is code from the model's folder, run on this row's data
             raise RowError(f"the chat template failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
-        ids, offsets = tokenizer.encode_offsets(text)
+        ids, offsets = encode_offsets(tokenizer, text)
         only_completion = kind == "prompt_completion" and completion_only_loss
         turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         if assistant_only_loss or only_completion:
@@ -304,7 +322,7 @@ def iter_documents(source: str, tokenizer, *, start_row: int = 0, chat_template:
 def _row_documents(rows, tokenizer, template, template_kwargs, options):
     """(index, Document or Skipped) of each (index, where, row) of read_rows: a row that cannot be trained on is
     Skipped. The chat template and its variables are made ready at the first conversation."""
-    variables = None  # the template's variables, made at the first conversation
+    variables, folder = None, model_folder(tokenizer)  # the template's variables, made at the first conversation
     for index, where, row in rows:
         if isinstance(row, Skipped):
             yield index, row
@@ -313,14 +331,14 @@ def _row_documents(rows, tokenizer, template, template_kwargs, options):
             kind = row_format(row, options["text_column"])
             chat = kind == "messages" or (kind == "prompt_completion" and not isinstance(row["prompt"], str))
             if variables is None and chat:
-                if template is None and tokenizer.folder is None:
+                if template is None and folder is None:
                     raise ValueError(f"{where} is a conversation, and the byte tokenizer has no chat template; "
                                      "pass --chat_template FILE.jinja")
                 try:
-                    template = template if template is not None else load_chat_template(tokenizer.folder)
+                    template = template if template is not None else load_chat_template(folder)
                 except FileNotFoundError as err:
                     raise ValueError(f"{where} is a conversation, but there is {err}") from None
-                folder_vars = template_variables(tokenizer.folder) if tokenizer.folder is not None else {}
+                folder_vars = template_variables(folder) if folder is not None else {}
                 variables = {**folder_vars, **(template_kwargs or {})}
             yield index, Document(*row_document(row, tokenizer, chat_template=template, template_kwargs=variables,
                                                 **options), where)

@@ -115,7 +115,8 @@ def _evaluate(cfg, setup, make_batches, step: int, eval_log, log, hold: bool = F
                     break
                 except data.DataError as e:  # every rank has it
                     raise SystemExit(f"{e}; in the evaluation of step {step}") from None
-                out = setup.model(m.inputs, m.positions, m.labels, loss_chunk=cfg.loss_chunk, doc_lens=m.doc_lens)
+                out = setup.model(m.inputs, m.positions, m.labels, loss_chunk=cfg.loss_chunk,
+                                  doc_lens=getattr(m, "doc_lens", None))  # packing.PackedMicro's
                 sums.add(out, m)
                 sequences += dp
     finally:

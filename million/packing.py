@@ -55,15 +55,24 @@ def doc_positions(doc_lens: list[int]) -> torch.Tensor:
 class PackedLoader(data.WindowLoader):
     """data.WindowLoader with windows of documents: iterates over this rank's Windows of seq_len pairs, padded with
     pad_id (inputs) and -100 (labels). The rounds, the state and resume are the base class's; the state's offset
-    counts pairs."""
-    packing = "docs"
+    counts pairs, and its field "packing" says "docs" (data.WindowLoader refuses such a state, and this loader
+    one without it)."""
 
     def __init__(self, documents, seq_len: int, pad_id: int, dp_rank: int = 0, dp_size: int = 1, prefetch: int = 4,
                  log: Callable[[str], None] | None = None):
         super().__init__(documents, seq_len, dp_rank, dp_size, prefetch, log)
         self.pad_id = pad_id
 
-    def _windows(self, start):
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), packing="docs")  # a stream resumes only with the packing that cut it
+
+    def load_state_dict(self, sd: dict) -> None:
+        saved = sd.get("packing", "concat")  # a state without the field was saved by data.WindowLoader
+        if saved != "docs":
+            raise ValueError(f"the saved stream was packed with {saved!r}, not 'docs'; resume with the same packing")
+        super().load_state_dict({k: v for k, v in sd.items() if k != "packing"})
+
+    def windows(self, start):
         """(this rank's Window, state after its round), one per round of dp_size windows, from `start`."""
         T, size, rank, pad_id = self.seq_len, self.dp_size, self.dp_rank, self.pad_id
         base = window = start["window"]  # global index of the window being filled
@@ -82,7 +91,7 @@ class PackedLoader(data.WindowLoader):
             untrained = int((labels == -100).sum()) - pad
             return Window(torch.from_numpy(inputs), torch.from_numpy(labels), doc_lens, pad, untrained)
 
-        for row, doc in self._read(start, seen):
+        for row, doc in self.read(start, seen):
             ids = doc.ids
             targets = np.where(doc.trained[1:], ids[1:], -100)                                # [n - 1]
             pos, offset = offset, 0  # the saved offset (in pairs) applies to the first document only
@@ -113,34 +122,41 @@ class PackedLoader(data.WindowLoader):
             window, filled = window + 1, 0
 
 
+@dataclasses.dataclass
+class PackedMicro(data.Micro):
+    """data.Micro of a Window: positions are inside each document (doc_positions)."""
+    doc_lens: tuple            # the whole window's documents, the padding (if any) last; they sum to T
+    pad: int                   # padding pairs in the whole window
+
+
 class PackedBatches(data.Batches):
-    """data.Batches of Windows. A Window is sent as one [3, T + 1] tensor: inputs, labels, a 1 where a document
-    starts, and the padding count in the last column. Each rank shards it by layout_of(doc_lens), the chunks each
-    rank holds (parallel.cp_shard's layout; layout_of None: zigzag), and takes RoPE positions inside each
-    document."""
+    """data.Batches of Windows, each step a list of PackedMicro. A Window is sent as one [3, T + 1] tensor: inputs,
+    labels, a 1 where a document starts, and the padding count in the last column. Each rank shards it by
+    layout_of(doc_lens), the chunks each rank holds (parallel.cp_shard's layout; layout_of None: zigzag), and
+    takes RoPE positions inside each document."""
 
     def __init__(self, make_loader: Callable[[], PackedLoader], seq_len: int, grad_accum: int, cp_group, device,
                  layout_of: Callable[[tuple], tuple] | None = None):
         super().__init__(make_loader, seq_len, grad_accum, cp_group, device)
         self.layout_of = layout_of
 
-    def _empty(self) -> torch.Tensor:
+    def empty(self) -> torch.Tensor:
         return torch.empty(3, self.seq_len + 1, dtype=torch.long)
 
-    def _wire(self, window: Window) -> torch.Tensor:
-        T, w = self.seq_len, self._empty().zero_()
+    def encode(self, window: Window) -> torch.Tensor:
+        T, w = self.seq_len, self.empty().zero_()
         w[0, :T], w[1, :T], w[2, T] = window.inputs, window.labels, window.pad
         w[2, torch.tensor(window.doc_lens[:-1], dtype=torch.long).cumsum(0)] = 1  # documents 2.. start
         w[2, 0] = 1
         return w                                                              # [3, T + 1]
 
-    def _micro(self, w) -> data.Micro:
+    def micro(self, w) -> PackedMicro:
         T = self.seq_len
         starts = w[2, :T].nonzero().squeeze(1).tolist()
         doc_lens = tuple(b - a for a, b in zip(starts, starts[1:] + [T]))
         layout = self.layout_of(doc_lens) if self.layout_of is not None else None
-        return data.Micro(self._shard(w[0, :T], layout), self._shard(w[1, :T], layout),
-                          self._shard(doc_positions(doc_lens).to(w.device), layout), doc_lens, int(w[2, T]))
+        return PackedMicro(self.shard(w[0, :T], layout), self.shard(w[1, :T], layout),
+                           self.shard(doc_positions(doc_lens).to(w.device), layout), doc_lens, int(w[2, T]))
 
 
 def make_batches(cfg, setup, source: str, kw: dict, grad_accum: int) -> "PackedBatches | None":

@@ -449,12 +449,12 @@ def run(cfg, s, step: int, log, shape=None, write: bool = True) -> dict | None:
     source = cfg.retrieval_data or cfg.eval_data or cfg.data
     grid = parse_grid(cfg.retrieval_lengths, cfg.retrieval_depths, cfg.retrieval_keys, cfg.retrieval_needles,
                       cfg.seq_len, s.mesh.size(1))
-    windows, error, chat = None, None, False
+    windows, error, chat_form = None, None, False
     if rank == 0:
         try:
             tok = data.load_tokenizer(data.tokenizer_spec(cfg.tokenizer, s.model_path))
-            chat = chat_wanted(cfg, tok)
-            render = chat_renderer(tok.folder) if chat else None
+            chat_form = chat_wanted(cfg, tok)
+            render = chat_renderer(chat.model_folder(tok)) if chat_form else None
             kw = dict(revision=cfg.data_revision, text_column=cfg.data_column, **(
                 {"repo": cfg.data_repo} if cfg.data_repo else {}))
             windows = build_windows(tok, grid, source, cfg.eval_split, cfg.seed, render, **kw)
@@ -468,7 +468,7 @@ def run(cfg, s, step: int, log, shape=None, write: bool = True) -> dict | None:
         return None
     cs = cells(windows, scores)
     row = dict(step=step, model=cfg.model, rope_scaling=s.mcfg.rope_scaling, data=source, split=cfg.eval_split,
-               chat=chat, windows=len(windows), time_s=time.time() - t0,
+               chat=chat_form, windows=len(windows), time_s=time.time() - t0,
                predicted_s=forward_seconds(shape, windows, s.mesh.size(0)) if shape is not None else None,
                by_length=by_length(cs), cells=cs)
     log(summary(step, row))
@@ -498,10 +498,10 @@ def chat_wanted(cfg, tok) -> bool:
     packing = cfg.packing if cfg.packing != "auto" else chat.default_packing(
         cfg.data, split=cfg.data_split, text_column=cfg.data_column, revision=cfg.data_revision,
         **({"repo": cfg.data_repo} if cfg.data_repo else {}))
-    if packing != "docs" or tok.folder is None:
+    if packing != "docs" or chat.model_folder(tok) is None:
         return False
     try:
-        chat_renderer(tok.folder)
+        chat_renderer(chat.model_folder(tok))
     except FileNotFoundError:
         return False
     return True

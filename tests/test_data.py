@@ -1,4 +1,4 @@
-"""data.py and sources.py against streams built independently here: exact windows, resume, data parallelism,
+"""data.py against streams built independently here: exact windows, resume, data parallelism,
 sources, errors.
 
     python -m pytest tests/test_data.py -q
@@ -19,7 +19,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-from million import sources  # noqa: E402
 
 # Seven books of awkward, varied lengths: empty, tiny, non-ASCII, and several longer than a window.
 BOOKS = [
@@ -312,7 +311,7 @@ def test_parquet_row_groups_before_start_book_are_not_read(pg19):
             CountingFS.opens += 1
             return super().open(path, mode, **kw)
 
-    books = list(sources.read_books(CountingFS(), [str(pg19)], start_book=5))
+    books = list(data.read_books(CountingFS(), [str(pg19)], start_book=5))
     assert books == [(5, BOOKS[5]), (6, BOOKS[6])]
     assert CountingFS.opens == 1 + 2  # the footer, then row groups 2 (books 4, 5) and 3 (book 6) only
 
@@ -398,7 +397,7 @@ class FlakyFS(LocalFileSystem):
 def test_flaky_reads_are_retried_with_backoff(pg19):
     slept = []
     fs = FlakyFS(fail={1, 3, 4})  # the footer once, then the first row group twice
-    books = list(sources.read_books(fs, [str(pg19)], sleep=slept.append))
+    books = list(data.read_books(fs, [str(pg19)], sleep=slept.append))
     assert books == list(enumerate(BOOKS))
     assert slept == [1, 1, 2]
 
@@ -408,28 +407,28 @@ def test_a_hub_that_stays_down_fails_clearly(pg19):
     fs = FlakyFS(fail=range(2, 100))  # the footer is read, every row group read fails
     with pytest.raises(RuntimeError, match=r"row group 0 of .*train-00000.*5 times.*hub could not be reached"
                                            r".*HF_TOKEN.*--data") as info:
-        list(sources.read_books(fs, [str(pg19)], sleep=slept.append))
+        list(data.read_books(fs, [str(pg19)], sleep=slept.append))
     assert isinstance(info.value.__cause__, OSError)
     assert slept == [1, 2, 4, 8]
     # Mistakes are not retried: a missing column fails at once.
     slept.clear()
     with pytest.raises(ValueError, match="no column"):
-        list(sources.read_books(FlakyFS(fail=()), [str(pg19)], text_column="body", sleep=slept.append))
+        list(data.read_books(FlakyFS(fail=()), [str(pg19)], text_column="body", sleep=slept.append))
     assert slept == []
 
 
 def test_hub_listing_filters_the_split_and_retries():
     slept = []
-    files = sources.list_hub_parquet(FlakyFS(fail={1}), "someone/pg19", "refs/convert/parquet", "train", slept.append)
+    files = data.list_hub_parquet(FlakyFS(fail={1}), "someone/pg19", "refs/convert/parquet", "train", slept.append)
     root = "datasets/someone/pg19@refs%2Fconvert%2Fparquet"
     assert files == [f"{root}/data/train-00000-of-00002.parquet", f"{root}/data/train-00001-of-00002.parquet",
                      f"{root}/default/train/0000.parquet"]
     assert slept == [1]
     with pytest.raises(RuntimeError, match="listing the parquet files of datasets/someone/pg19@main.*HF_TOKEN"):
-        sources.list_hub_parquet(FlakyFS(fail=range(1, 10)), "someone/pg19", sleep=slept.append)
+        data.list_hub_parquet(FlakyFS(fail=range(1, 10)), "someone/pg19", sleep=slept.append)
     with pytest.raises(ValueError, match="no parquet files of split 'dev'"):
-        sources.list_hub_parquet(FlakyFS(fail=()), "someone/pg19", split="dev")
-    assert sources.DEFAULT_PG19_REPO == "emozilla/pg19"
+        data.list_hub_parquet(FlakyFS(fail=()), "someone/pg19", split="dev")
+    assert data.DEFAULT_PG19_REPO == "emozilla/pg19"
 
 
 def test_pg19_source_streams_through_the_hub_file_system(pg19, monkeypatch):
@@ -438,5 +437,5 @@ def test_pg19_source_streams_through_the_hub_file_system(pg19, monkeypatch):
             assert pattern == "datasets/emozilla/pg19@main/**/*.parquet"
             return [str(pg19), str(pg19).replace("train-", "test-")]
 
-    monkeypatch.setattr(sources, "HfFileSystem", FakeHub)
+    monkeypatch.setattr(data, "HfFileSystem", FakeHub)
     assert list(data.iter_books("pg19", start_book=2)) == list(enumerate(BOOKS))[2:]

@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from million import chat  # noqa: E402
 import data  # noqa: E402
 from million import packing  # noqa: E402
-from million import sources  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -231,7 +230,7 @@ def test_assistant_mask_by_hand(tok):
     ids, trained = chat.row_document({"messages": messages}, tok, chat_template=QWEN3)
     text = chat.render_chat(QWEN3, messages)
     turns = ["Four.<|im_end|>", "<think>\nmultiply\n</think>\n\nTwelve.<|im_end|>"]  # the first loses its reasoning
-    np.testing.assert_array_equal(trained, by_hand_mask(text, turns, tok.encode_offsets(text)[1]))
+    np.testing.assert_array_equal(trained, by_hand_mask(text, turns, chat.encode_offsets(tok, text)[1]))
 
 
 def test_prompt_completion_strings(hf, tok):
@@ -268,7 +267,7 @@ def test_prompt_completion_messages(hf, tok):
 
 
 def test_a_byte_tokenizer_marks_characters_not_bytes():
-    ids, offsets = data.ByteTokenizer().encode_offsets("aé東")
+    ids, offsets = chat.encode_offsets(data.ByteTokenizer(), "aé東")
     assert ids.tolist() == list("aé東".encode()) and offsets[:, 0].tolist() == [0, 1, 1, 2, 2, 2]
     template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     row = {"messages": [{"role": "user", "content": "né?"}, {"role": "assistant", "content": "oui, né"}]}
@@ -364,7 +363,7 @@ def test_a_template_that_raises_skips_the_row(tmp_path, tok):
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (CHATS["no_system"][0], CHATS["plain"][0])))
     docs = list(chat.iter_documents(str(path), tok, chat_template=template))
-    assert isinstance(docs[0][1], data.Document) and docs[1] == (1, sources.Skipped(
+    assert isinstance(docs[0][1], data.Document) and docs[1] == (1, data.Skipped(
         "chats.jsonl line 2", "the chat template failed: TemplateError: no system role, sorry"))
 
 
@@ -373,7 +372,7 @@ def test_parquet_rows_name_the_row(tmp_path, tok):
     path = tmp_path / "chats.parquet"
     pq.write_table(pa.table({"messages": messages, "id": [1, 2, 3]}), path, row_group_size=2)
     docs = list(chat.iter_documents(str(path), tok, start_row=1))
-    assert docs[0] == (1, sources.Skipped("chats.parquet row 2", "unknown role 'robot' (roles: system, user, "
+    assert docs[0] == (1, data.Skipped("chats.parquet row 2", "unknown role 'robot' (roles: system, user, "
                                                               "assistant, tool)"))
     # Structs come back with every field: a null reasoning_content is left out, as transformers does.
     want = chat.row_document({"messages": messages[2]}, tok, chat_template=QWEN3)
@@ -391,7 +390,7 @@ def test_conversations_stream_from_the_hub(tmp_path, tok, monkeypatch):
             assert pattern == "datasets/someone/chats@main/**/*.parquet"
             return [str(path)]
 
-    monkeypatch.setattr(sources, "HfFileSystem", FakeHub)
+    monkeypatch.setattr(data, "HfFileSystem", FakeHub)
     docs = list(chat.iter_documents("pg19", tok, repo="someone/chats", start_row=1))
     assert [(i, d.where) for i, d in docs] == [(1, "train-00000-of-00001.parquet row 2")]
     assert docs[0][1].ids.tolist() == chat.row_document({"messages": CHATS["reasoning"][0]}, tok,
@@ -426,7 +425,7 @@ def test_the_text_path_names_file_and_line(tmp_path, tok):
     path = tmp_path / "books.jsonl"
     path.write_text(json.dumps({"text": books[0]}) + "\n" + json.dumps({"text": books[1]})[:-3] + "\n"
                     + json.dumps({"text": books[2]}) + "\n")
-    assert list(data.iter_books(str(path)))[1] == (1, sources.Skipped(
+    assert list(data.iter_books(str(path)))[1] == (1, data.Skipped(
         "books.jsonl line 2", "malformed JSON (Unterminated string starting at: column 10)"))
     said = []
     byte = data.ByteTokenizer()

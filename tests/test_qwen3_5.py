@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from loss import chunked_nll
 from million import documents
 from million.deltanet import DeltaNetMixer, chunk_gated_delta_rule
 from million.qwen3_5 import Qwen3_5, Qwen3_5Config, from_pretrained, hf_name, read_config, save_pretrained
@@ -20,6 +21,16 @@ from test_ring import run_ranks
 T = 296                 # 2 * cp * 37 for cp 1, 2, 4; not a multiple of the rule's 64-token chunks
 DOCS = (73, 75, 37, 111)  # starts 0, 73, 148, 185: one a token before a cp=2/4 chunk start (the conv's halo is cut),
 #                           two on cp=4 chunk starts, one inside a chunk; documents crossing ranks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these tensors are small, and on a busy 2-core machine a second thread's wake-ups cost
+    more than it computes (the one-device fp64 runs: 25 s with two threads, under 1 s with one, at a load of 8)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def make_model(dtype, cfg=None, **kw):
@@ -48,6 +59,15 @@ def doc_inputs():
     labels[:, ends - 1] = -100
     pos = torch.cat([torch.arange(n) for n in DOCS]).expand(2, T)
     return ids, labels, pos
+
+
+def run(model, ids, labels, pos=None, docs=None):
+    """One forward and backward of the summed NLL -> (final hidden [B, T, H], loss.NLL): the loss taken from the
+    hidden states as the model's forward takes it, so that one forward gives both."""
+    h = model(ids, pos, doc_lens=docs)
+    nll = chunked_nll(h.reshape(-1, h.shape[-1]), model.head_weight(), labels.reshape(-1))
+    nll.loss_sum.backward()
+    return h.detach(), nll
 
 
 def grads(model):
@@ -126,23 +146,17 @@ def test_documents_equal_separate_runs():
     (assert_grads_close)."""
     model = make_model(torch.float64, attn_fn=documents.masked_attention)
     ids, labels, pos = doc_inputs()
-    out = model(ids, pos, labels, doc_lens=DOCS)
-    out.loss_sum.backward()
+    hidden, out = run(model, ids, labels, pos, DOCS)
     window = grads(model)
     model.zero_grad()
-    rows, start = [], 0
-    for n in DOCS:
-        alone = model(ids[:, start:start + n], labels=labels[:, start:start + n])
-        alone.loss_sum.backward()
-        rows.append(alone.row_nll.view(2, n))
-        start += n
-    torch.testing.assert_close(out.row_nll.view(2, T), torch.cat(rows, 1), atol=1e-6, rtol=1e-6)  # fp32 NLL
-    with torch.no_grad():
-        hidden = [model(part) for part in ids.split(DOCS, 1)]
-        torch.testing.assert_close(model(ids, pos, doc_lens=DOCS), torch.cat(hidden, 1), atol=1e-10, rtol=1e-10)
+    alone = [run(model, *part) for part in zip(ids.split(DOCS, 1), labels.split(DOCS, 1))]
+    torch.testing.assert_close(hidden, torch.cat([h for h, _ in alone], 1), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out.row_nll.view(2, T), torch.cat([nll.row_nll.view(2, -1) for _, nll in alone], 1),
+                               atol=1e-6, rtol=1e-6)  # fp32 NLL
     assert_grads_close(window, grads(model), "documents")
     # the documents matter: the same window read as one sequence differs
-    assert not torch.allclose(model(ids, labels=labels).row_nll, out.row_nll, atol=1e-3)
+    with torch.no_grad():
+        assert not torch.allclose(model(ids), hidden, atol=1e-3)
 
 
 # --- context parallelism --------------------------------------------------------------------------
@@ -158,10 +172,7 @@ def _cp_case(rank, world, group, docs):
     else:
         ids, labels, pos = doc_inputs()
     ids, labels, pos = (cp_shard(x, 1, rank, world, layout) for x in (ids, labels, pos))
-    out = model(ids, pos, labels, doc_lens=docs)
-    out.loss_sum.backward()
-    with torch.no_grad():
-        hidden = model(ids, pos, doc_lens=docs)
+    hidden, out = run(model, ids, labels, pos, docs)
     return dict(loss_sum=out.loss_sum.detach(), row_nll=out.row_nll.view(2, -1), hidden=hidden, grads=grads(model))
 
 
@@ -182,10 +193,7 @@ def reference():
     for docs in (None, DOCS):
         model = make_model(torch.float64, attn_fn=documents.masked_attention)
         ids, labels, pos = doc_inputs() if docs else (*inputs(), None)
-        nll = model(ids, pos, labels, doc_lens=docs)
-        nll.loss_sum.backward()
-        with torch.no_grad():
-            hidden = model(ids, pos, doc_lens=docs)
+        hidden, nll = run(model, ids, labels, pos, docs)
         out[docs] = dict(loss_sum=nll.loss_sum.detach(), row_nll=nll.row_nll.view(2, T), hidden=hidden,
                          grads=grads(model))
     return out

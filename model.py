@@ -287,8 +287,9 @@ class Qwen3(nn.Module):
 #     doc_lens to each of these calls (the block keeps it for its backward).
 #   - MLP: the recomputed output's value is never read (only its gradient graph is), so the tiled MLP skips
 #     its forward (mlp_value_is_read=False): its own backward recomputes each tile anyway.
-# Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are not inputs of _RecomputedBlock: this inner backward accumulates their gradients (as
-# reentrant checkpointing does), and FSDP2's post-backward hook reduce-scatters them.
+# Then autograd runs the rebuilt graph backward from the block's output gradient. The block's parameters are not
+# inputs of _RecomputedBlock: this inner backward accumulates their gradients (as reentrant checkpointing does),
+# and FSDP2's post-backward hook reduce-scatters them.
 #
 # GPU memory: with every block offloaded, two blocks' kept tensors are on the GPU at a time (the one running
 # backward and the one brought back ahead of it). A block without an offload keeps its own there from its

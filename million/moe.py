@@ -257,7 +257,9 @@ class LoadBalance:
     block (and, under context parallelism, of every rank), known only when the forward is over. So each sparse
     block's output passes through a node (_PassThrough) whose backward adds that gradient to the router's, and
     the loss term itself is a node on loss_sum (_LoadBalancingLoss) that leaves the gradient here first: every
-    block's output leads to loss_sum, so autograd runs it before any block's backward."""
+    block's output leads to loss_sum, so autograd runs it before any block's backward. The SparseMoEs hold the
+    last forward's LoadBalance, which a recomputed block's backward reads: each backward follows its own forward
+    before the next forward (as train.py runs them)."""
 
     def __init__(self):
         self.counts, self.prob_sums = [], []  # per sparse block, recorded by the forward: [E] float64, [E]

@@ -251,16 +251,16 @@ def step_counts(batch: list, cp_rank: int, device) -> tuple[int, int]:
 def train_step(model, opt, batch: list, n_trained: int, cfg, lr: float):
     """Forward + backward over the micro-batches, clip, AdamW. -> (loss, grad_norm, applied, loss_by_position,
     aux_loss): loss is the global mean NLL over the n_trained target tokens of every rank and micro-batch (a rank
-    holding none still runs every collective, adding zero); loss_by_position the same mean over each of
-    --loss_buckets spans of position; aux_loss a MoE's load-balancing term on the same scale (None for a dense
-    model): the gradient includes it, loss does not. A non-finite loss or grad norm (the same on every rank: both
-    are all-reduced), or a step with nothing to train on, skips the update: no weight changes."""
+    holding none still runs every collective, adding zero), also by --loss_buckets spans of position; aux_loss a
+    MoE's load-balancing term on that scale (in the gradient, not in loss). A non-finite loss or grad norm (the
+    same on every rank: both are all-reduced), or a step with nothing to train on, changes no weight."""
     for g in opt.param_groups:
         g["lr"] = lr
     sums = PositionSums(cfg.seq_len, cfg.loss_buckets, batch[0].labels.device)
     for m in batch:
         out = model(m.inputs, m.positions, m.labels, loss_chunk=cfg.loss_chunk, doc_lens=getattr(m, "doc_lens", None))
-        (out.total() / max(n_trained, 1)).backward()  # each rank's share of the global mean; FSDP2 sums gradients
+        total = out.total() if hasattr(out, "total") else out.loss_sum  # a MoE adds its load-balancing term
+        (total / max(n_trained, 1)).backward()  # each rank's share of the global mean; FSDP2 sums gradients
         sums.add(out, m)
     loss_sum, aux_sum, by_position = sums.reduce()
     grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.grad_clip)

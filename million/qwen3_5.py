@@ -9,7 +9,7 @@ which is plain RoPE on the rotary part of each head. Also here: the HF config.js
 vision-language qwen3_5 whose text_config is this decoder) and safetensors in and out; a composite checkpoint's
 other weights (vision tower, MTP head) pass through a save unchanged.
 
-    python -c "from million.qwen3_5 import *; m = Qwen3_5(Qwen3_5Config.tiny()); print(m(torch.zeros(1, 8).long()).shape)"
+    python -c "from million.qwen3_5 import *; print(Qwen3_5(Qwen3_5Config.tiny())(torch.zeros(1, 8).long()).shape)"
     python -m pytest tests/test_qwen3_5.py -q
 """
 import dataclasses
@@ -143,7 +143,8 @@ class ZeroCentredRMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight.to(xf.dtype))).to(x.dtype)
+        n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (n * (1 + self.weight.to(xf.dtype))).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -298,14 +299,14 @@ class Qwen3_5(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator=None):
         """As transformers initialises: normal(0, initializer_range) matrices, zero-centred norms at 0, gated norms
-        and dt_bias at 1, A = exp(A_log) uniform in [1, 16]."""
+        and dt_bias at 1, A = exp(A_log) uniform in [0.01, 16]."""
         for name, p in self.named_parameters():
             if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
                 p.fill_(1.0)
             elif name.endswith("norm.weight"):
                 p.zero_()
             elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=generator).log())
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=generator).log())
             else:
                 p.normal_(0.0, self.cfg.initializer_range, generator=generator)
 

@@ -116,6 +116,18 @@ def test_matches_transformers():
         torch.testing.assert_close(g, theirs[hf_name(name, model.cfg)].grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+def test_yarn_matches_transformers():
+    """YaRN on the rotary quarter of each head (model.rope_inv_freq at the rotary dim) gives transformers' logits
+    within 2e-6 in fp32; it changes them by ~0.1, so the comparison sees it."""
+    cfg = Qwen3_5Config.tiny(rope_scaling={"factor": 4.0, "original_max_position_embeddings": 64})
+    model, plain = make_model(torch.float32, cfg), make_model(torch.float32)
+    ids, _ = inputs()
+    with torch.no_grad():
+        logits = model.logits(ids)
+        torch.testing.assert_close(logits, hf_twin(model)(ids).logits, atol=2e-6, rtol=1e-5)
+        assert (logits - plain.logits(ids)).abs().max() > 1e-2
+
+
 def naive_delta_rule(q, k, v, g, beta, state):
     """The recurrence token by token, S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T q_t, S [B, H, dk, dv]."""
@@ -246,14 +258,12 @@ def test_composite_checkpoint_passes_other_weights_through(tmp_path):
     """A qwen3_5 (vision-language) folder: the text decoder is read from model.language_model.*, the vision tower and
     MTP tensors come out of a save byte for byte, and transformers loads the save with our logits."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3_5Config as Qwen3_5CompositeConfig
     model = make_model(torch.float32)
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
     text = {k: v for k, v in model.cfg.to_hf_dict().items() if k != "architectures"}
-    composite = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-                 "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
-                 "image_token_id": 5}
+    composite = Qwen3_5CompositeConfig(text_config=text, vision_config={"depth": 1}).to_dict()  # as on the hub
     (src / "config.json").write_text(json.dumps(composite))
     gen = torch.Generator().manual_seed(5)
     others = {"model.visual.blocks.0.attn.qkv.weight": torch.randn(6, 4, generator=gen).bfloat16(),
@@ -273,7 +283,8 @@ def test_composite_checkpoint_passes_other_weights_through(tmp_path):
         assert saved[name].dtype == t.dtype and saved[name].view(torch.uint8).equal(t.view(torch.uint8)), name
     assert set(saved) == set(text_weights) | set(others)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen3_5" and config["vision_config"] == {"depth": 1}
+    assert config["model_type"] == "qwen3_5"
+    assert config["vision_config"] == json.loads((src / "config.json").read_text())["vision_config"]
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=2e-6, rtol=1e-5)

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from loss import chunked_nll
 from model import MLP, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
@@ -247,7 +248,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)  # model.py's SwiGLU: same names, same math
 
+        self.recompute = False  # keep only the block's input; run it again in backward (Qwen3_5.set_levers)
+
     def forward(self, x, cos, sin, attn_fn, mixer, doc_lens=None):
+        if self.recompute and torch.is_grad_enabled():  # every rank reruns the same collectives, in the same order
+            return checkpoint(self.body, x, cos, sin, attn_fn, mixer, doc_lens, use_reentrant=False)
+        return self.body(x, cos, sin, attn_fn, mixer, doc_lens)
+
+    def body(self, x, cos, sin, attn_fn, mixer, doc_lens=None):
         h = self.input_layernorm(x)
         h = self.linear_attn(h, mixer, doc_lens) if self.linear else self.self_attn(h, cos, sin, attn_fn, doc_lens)
         x = x + h
@@ -295,6 +303,18 @@ class Qwen3_5(nn.Module):
     def logits(self, input_ids, position_ids=None, doc_lens=None):
         """Full logits [B, T, V], for tests and short evaluation only."""
         return self(input_ids, position_ids, doc_lens=doc_lens) @ self.head_weight().T
+
+    def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0, keep_attention: bool = False,
+                   **_):
+        """model.Qwen3.set_levers' two levers that carry over: recompute each block in backward (here through
+        torch.utils.checkpoint) and the tiled MLP (mlp_tile rows, model.MLP's). Host offload and kept attention
+        live in model.py's recomputed block, written for Qwen3's blocks: refused here."""
+        if offload or keep_attention:
+            raise NotImplementedError("Qwen3.5: offload and keep_attention are not supported (recompute and "
+                                      "mlp_tile are)")
+        for block in self.layers:
+            block.recompute, block.mlp.tile = recompute, mlp_tile
+        return self
 
     @torch.no_grad()
     def init_weights(self, generator=None):

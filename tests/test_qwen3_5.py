@@ -14,7 +14,8 @@ import torch.distributed as dist
 from loss import chunked_nll
 from million import documents
 from million.deltanet import DeltaNetMixer, chunk_gated_delta_rule
-from million.qwen3_5 import Qwen3_5, Qwen3_5Config, from_pretrained, hf_name, read_config, save_pretrained
+from million.qwen3_5 import (GatedDeltaNet, Qwen3_5, Qwen3_5Config, from_pretrained, hf_name, read_config,
+                             save_pretrained)
 from parallel import RingAttention, cp_shard, cp_unshard
 from test_ring import run_ranks
 
@@ -155,6 +156,24 @@ def test_chunked_rule_matches_recurrence():
     torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=1e-10)
 
 
+def test_levers_keep_values_and_gradients(monkeypatch):
+    """fp64: with each block recomputed in backward and the MLP in tiles of 50 rows, the hidden states and every
+    gradient equal the plain run's within 1e-12; the recompute did run (each DeltaNet layer's forward twice)."""
+    ids, labels = inputs()
+    plain = make_model(torch.float64)
+    h0, _ = run(plain, ids, labels)
+    model = make_model(torch.float64).set_levers(recompute=True, mlp_tile=50)
+    calls = []
+    forward = GatedDeltaNet.forward
+    monkeypatch.setattr(GatedDeltaNet, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    h1, _ = run(model, ids, labels)
+    assert len(calls) == 2 * 3  # 3 DeltaNet layers, forward and recompute
+    torch.testing.assert_close(h1, h0, atol=1e-12, rtol=1e-12)
+    assert_grads_close(grads(model), grads(plain), "levers", tol=1e-12)
+    with pytest.raises(NotImplementedError, match="offload"):
+        model.set_levers(offload=True)
+
+
 # --- packed documents on one device -----------------------------------------------------------------
 
 def test_documents_equal_separate_runs():
@@ -238,14 +257,16 @@ def test_context_parallel_equals_one_device(world, reference, tmp_path):
 
 # --- HF checkpoints -------------------------------------------------------------------------------
 
-def test_save_pretrained_loads_in_transformers(tmp_path):
-    """save_pretrained -> transformers' AutoModelForCausalLM gives our logits (fp32, within 2e-6); our
-    from_pretrained reads back the same weights exactly."""
+@pytest.mark.parametrize("tie", [False, True])
+def test_save_pretrained_loads_in_transformers(tie, tmp_path):
+    """save_pretrained -> transformers' AutoModelForCausalLM gives our logits (fp32, within 2e-6), with a head of
+    its own or tied to the embeddings (the small Qwen3.5s); our from_pretrained reads back the same weights
+    exactly."""
     from transformers import AutoModelForCausalLM
-    model = make_model(torch.float32)
+    model = make_model(torch.float32, Qwen3_5Config.tiny(tie_word_embeddings=tie))
     save_pretrained(model, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM" and (model.lm_head is None) == tie
     ids, _ = inputs()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=2e-6, rtol=1e-5)

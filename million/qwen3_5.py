@@ -90,7 +90,7 @@ class Qwen3_5Config:
         if kind not in ("qwen3_5", "qwen3_5_text"):
             raise ValueError(f"{d.get('_name_or_path', 'config.json')}: model_type {kind!r} is not Qwen3.5; "
                              "supported: 'qwen3_5' (its text_config) and 'qwen3_5_text'.")
-        t = d.get("text_config") or {} if kind == "qwen3_5" else d
+        t = (d.get("text_config") or {}) if kind == "qwen3_5" else d
         if t.get("hidden_act", "silu") != "silu" or t.get("attention_bias"):
             raise ValueError("Qwen3.5 with hidden_act other than silu or with attention_bias is not supported")
         theta, scaling = parse_rope(t)

@@ -205,6 +205,9 @@ class Qwen3(nn.Module):
         """mlp(index) -> the feed-forward module of block `index` (Block's mlp); None: the SwiGLU MLP in each."""
         super().__init__()
         self.cfg, self.attn_fn = cfg, attn_fn
+        if mlp is None and type(cfg) is not Qwen3Config:  # a subclass's fields would be ignored: silently wrong
+            raise ValueError(f"a {type(cfg).__name__} is built by {getattr(cfg, 'model_class', 'its own class')}, "
+                             "not by Qwen3 with dense MLPs")
         mlp = mlp or (lambda index: MLP(cfg))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, mlp(i)) for i in range(cfg.num_hidden_layers))

@@ -49,7 +49,7 @@ def bucket_work(T, H, V, chunk, k, device, dtype, reps):
     out = chunked_nll(hidden, weight, labels, chunk_size=chunk)
     positions = rows[None]                                                                       # [1, T]
 
-    micro = Micro(inputs=labels[None], labels=labels[None], positions=positions, doc_lens=None, pad=0)
+    micro = Micro(inputs=labels[None], labels=labels[None], positions=positions)
 
     def add():
         PositionSums(T, k, device).add(out, micro)

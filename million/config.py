@@ -34,7 +34,7 @@ class TrainConfig:
     yarn_original_max_position_embeddings: int = flag(32768, "the context length YaRN stretches from")
     data: str = flag("pg19", "pg19 (streamed from the hub), synthetic, or a local .txt/.jsonl/.parquet file or "
                      "folder", heading="the data")
-    data_repo: str = flag("", '"" = sources.py\'s default PG-19 parquet copy (--data pg19)')
+    data_repo: str = flag("", '"" = data.py\'s default PG-19 parquet copy (--data pg19)')
     data_revision: str = flag("main", "the hub revision of --data_repo")
     data_split: str = flag("train", "the split trained on (files named split-*, or in a folder split/)")
     data_column: str = flag("text", "the field of a .jsonl/.parquet row that holds the text")

@@ -82,6 +82,17 @@ def open_eval_log(cfg, done: int, device) -> "rundir.JsonlLog | None":
     return on_rank0(open_log, device)
 
 
+def start_eval_log(cfg, done: int, device, first_eval, first_needles, log) -> "rundir.JsonlLog | None":
+    """Once step 1 is done: rank 0's eval.jsonl (with --eval_every), holding the evaluation of step 0 if one
+    was made before the first step, and retrieval's files of step 0."""
+    eval_log = open_eval_log(cfg, done, device) if cfg.eval_every else None
+    if eval_log and first_eval:
+        eval_log.write(first_eval)
+    if first_needles:  # rank 0's retrieval row of step 0
+        retrieval.write_files(cfg, first_needles, log)
+    return eval_log
+
+
 def evaluate(cfg, setup, make_batches, step: int, eval_log, log, hold: bool = False) -> tuple[dict, dict | None]:
     """_evaluate in eval mode (nothing kept for a backward: lora.LoRAMLP's kept MLP outputs), then back."""
     was = setup.model.training

@@ -8,6 +8,7 @@ Its gradient reaches the routers through the activations (LoadBalance): the core
     python -m pytest tests/test_moe.py -q
 """
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,7 @@ from model import MLP, Qwen3, Qwen3Config, _silu_mul, _swiglu, causal_attention,
 @dataclass
 class Qwen3MoeConfig(Qwen3Config):
     """Qwen3Config and the fields of transformers' Qwen3MoeConfig (model_type "qwen3_moe"), with its defaults."""
+    model_class: ClassVar[str] = "moe.Qwen3MoE"  # what builds it (model.Qwen3 refuses it: its MLPs are dense)
     num_experts: int = 128
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768

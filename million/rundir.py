@@ -49,7 +49,11 @@ def fingerprint(mcfg, shapes: dict, data: dict, tokenizer: str) -> dict:
 def check_fingerprint(path: str, fp: dict):
     """Stop unless checkpoint path belongs to this run (compared on fp's parts: model, shapes, data, tokenizer)."""
     saved = checkpoint.read_manifest(path)["fingerprint"]
-    diff = checkpoint.fingerprint_mismatch({k: v for k, v in saved.items() if k in fp}, fp)
+    saved = {k: v for k, v in saved.items() if k in fp}
+    if isinstance(saved.get("model"), dict):  # fields this config does not have (a dense checkpoint written when
+        # every config carried the MoE fields) are no difference: the parameters' shapes still are
+        saved["model"] = {k: v for k, v in saved["model"].items() if k in fp["model"]}
+    diff = checkpoint.fingerprint_mismatch(saved, fp)
     if diff:
         raise SystemExit(f"error: checkpoint {path} belongs to another run: {diff}. Use the same model, data and "
                          "tokenizer, or another --out_dir (or --resume none --overwrite true)")

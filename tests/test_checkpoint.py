@@ -117,3 +117,21 @@ def test_the_size_estimate_covers_a_real_checkpoint(tmp_path, world_of_one):
     real = sum(f.stat().st_size for f in ckpt.iterdir())
     assert real < checkpoint.state_bytes(state, 1) < 1.05 * real  # 1.68 MB against 1.64 MB
     assert checkpoint.verify(str(ckpt)) is None
+
+
+def test_a_dense_checkpoint_from_before_the_moe_fields_left_the_config_resumes(tmp_path):
+    """Dense configs once carried the MoE fields (num_experts 0, ...); a checkpoint of such a run is still this run's.
+    A real difference (another hidden size, another data seed) is still refused, naming it."""
+    from model import Qwen3Config
+    from million import rundir
+    mcfg = Qwen3Config.tiny()
+    fp = rundir.fingerprint(mcfg, {"w": [2, 3]}, {"seed": 0}, "byte")
+    old = json.loads(json.dumps(fp))
+    old["model"].update(num_experts=0, num_experts_per_tok=8, moe_intermediate_size=768, mlp_only_layers=[])
+    ckpt = tmp_path / "step_0000001"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text(json.dumps({"step": 1, "files": {}, "fingerprint": old}))
+    rundir.check_fingerprint(str(ckpt), fp)  # no error
+    other = rundir.fingerprint(Qwen3Config.tiny(hidden_size=96), {"w": [2, 3]}, {"seed": 0}, "byte")
+    with pytest.raises(SystemExit, match="belongs to another run.*hidden_size"):
+        rundir.check_fingerprint(str(ckpt), other)

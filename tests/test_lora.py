@@ -178,10 +178,11 @@ def test_the_base_never_moves_and_the_head_makes_no_gradient(tmp_path, monkeypat
     weight is bit for bit what it was, the adapters moved, and the chunked loss never formed the head's weight
     gradient (need_dw false)."""
     import train
+    from million import config
     m = adapted(random_model(tiny()))
     m.attn_fn = documents.masked_attention  # one device, packed windows: the naive document mask
     start = {n: p.detach().clone() for n, p in m.named_parameters()}
-    opt = train.make_optimizer(train.TrainConfig(lr=1e-2, weight_decay=0.1, device="cpu"), m)
+    opt = train.make_optimizer(config.TrainConfig(lr=1e-2, weight_decay=0.1, device="cpu"), m)
     assert len(opt.state) == sum(lora.is_adapter(n) for n in start) == 2 * 7 * 2
     need_dw, apply = [], L._ChunkedNLL.apply
     monkeypatch.setattr(L._ChunkedNLL, "apply", lambda *a: need_dw.append(a[-1]) or apply(*a))

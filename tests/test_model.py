@@ -429,6 +429,13 @@ def test_refuses_another_model_type_naming_what_is_supported(tmp_path):
                    "'qwen3_moe' (Qwen3-MoE)."), msg
 
 
+def test_a_moe_config_is_refused_by_the_dense_model():
+    from million.moe import Qwen3MoeConfig
+    cfg = Qwen3MoeConfig(**{**vars(Qwen3Config.tiny()), "num_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="moe.Qwen3MoE"):
+        Qwen3(cfg)
+
+
 def test_missing_files_and_weights_give_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such folder"):
         H.from_pretrained(str(tmp_path / "nope"))

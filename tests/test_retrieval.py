@@ -289,9 +289,10 @@ def test_each_evaluation_writes_a_row_and_a_line(one_rank, folders, tmp_path, mo
     """retrieval.run as train.py's evaluation calls it: a row per evaluation in retrieval.jsonl, the rows after a
     resumed run's step dropped when it evaluates again, --eval_only's row added to the earlier ones."""
     import train
+    from million import config
     from torch.distributed.device_mesh import init_device_mesh
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    cfg = train.TrainConfig(model=str(folders[False]), tokenizer="byte", data=SOURCE, seq_len=256,
+    cfg = config.TrainConfig(model=str(folders[False]), tokenizer="byte", data=SOURCE, seq_len=256,
                             out_dir=str(tmp_path), retrieval=True, retrieval_depths="0,1", retrieval_keys=1,
                             device="cpu")
     m = H.from_pretrained(str(folders[False]), dtype=torch.float32)
@@ -312,10 +313,11 @@ def test_each_evaluation_writes_a_row_and_a_line(one_rank, folders, tmp_path, mo
 def test_chat_form_by_default_for_conversation_runs(tmp_path):
     """--retrieval_chat auto: the chat form when the run packs documents and the tokenizer has a chat template."""
     import train
+    from million import config
     from test_rows import QWEN3, write_model
     with_template = data.load_tokenizer(str(write_model(tmp_path / "a", {"chat_template": QWEN3})))
     without = data.load_tokenizer(str(write_model(tmp_path / "b", {})))
-    cfg = train.TrainConfig(packing="docs")
+    cfg = config.TrainConfig(packing="docs")
     assert R.chat_wanted(cfg, with_template)
     assert not R.chat_wanted(cfg, without) and not R.chat_wanted(cfg, TOK)
     assert not R.chat_wanted(dataclasses.replace(cfg, packing="concat"), with_template)
@@ -325,10 +327,11 @@ def test_chat_form_by_default_for_conversation_runs(tmp_path):
 
 def test_a_source_without_text_stops_every_rank_with_a_message(one_rank, folders, tmp_path):
     import train
+    from million import config
     from torch.distributed.device_mesh import init_device_mesh
     rows = tmp_path / "chats.jsonl"
     rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    cfg = train.TrainConfig(model=str(folders[False]), tokenizer="byte", retrieval_data=str(rows), seq_len=256,
+    cfg = config.TrainConfig(model=str(folders[False]), tokenizer="byte", retrieval_data=str(rows), seq_len=256,
                             out_dir=str(tmp_path), retrieval=True, device="cpu", packing="concat")
     m = H.from_pretrained(str(folders[False]), dtype=torch.float32)
     s = train.Setup(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp")), m, m.cfg, None, {},

@@ -15,11 +15,12 @@ def test_lr_schedule_continues_without_a_jump():
     sys.path.insert(0, ROOT)
     from million import config
     import train
+    from million.resume import schedule_anchor
     cfg = config.TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=2, max_steps=10)
     plain = [train.lr_at(s, cfg) for s in range(1, 11)]
     assert plain[:2] == [0.5, 1.0] and plain[-1] == pytest.approx(0.1)
     longer = dataclasses.replace(cfg, max_steps=20)
-    anchor = train.schedule_anchor(longer, dataclasses.asdict(cfg), None, 6)
+    anchor = schedule_anchor(longer, dataclasses.asdict(cfg), None, 6, train.lr_at)
     assert anchor == [6, pytest.approx(plain[5])]
     after = [train.lr_at(s, longer, anchor) for s in range(7, 21)]
     assert plain[5] > after[0] > after[1] and after[-1] == pytest.approx(0.1)

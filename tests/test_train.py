@@ -31,7 +31,7 @@ def test_adamw_betas_come_from_the_flags():
 
 
 def test_progress_reads_as_trl_writes_it():
-    from train import clock, progress
+    from million.metrics import clock, progress
     assert progress(380.1, [380.1], 11) == "06:20<1:09:41, 380.10s/it"  # TRL: 1/12 [06:20<1:09:41, 380.10s/it]
     assert progress(1.0, [0.2, 0.25, 9.0], 100) == "00:01<00:25, 4.00it/s"  # the median, not the mean
     assert clock(0) == "00:00" and clock(59.6) == "01:00" and clock(3600) == "1:00:00" and clock(90061) == "25:01:01"

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from loss import chunked_nll
-from model import MLP, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
+from model import MLP, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
 from million.deltanet import DeltaNetMixer, l2norm
 from million.hf import parse_rope
 
@@ -68,6 +68,9 @@ class Qwen3_5Config:
         if self.num_attention_heads % self.num_key_value_heads or \
                 self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("query heads must be a multiple of KV heads, DeltaNet value heads of key heads")
+
+    # --yarn_factor: model.Qwen3Config's, which only replaces max_position_embeddings and rope_scaling
+    yarn_scaled = Qwen3Config.yarn_scaled
 
     @property
     def rotary_dim(self) -> int:

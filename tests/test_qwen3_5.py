@@ -120,7 +120,8 @@ def test_matches_transformers():
 def test_yarn_matches_transformers():
     """YaRN on the rotary quarter of each head (model.rope_inv_freq at the rotary dim) gives transformers' logits
     within 2e-6 in fp32; it changes them by ~0.1, so the comparison sees it."""
-    cfg = Qwen3_5Config.tiny(rope_scaling={"factor": 4.0, "original_max_position_embeddings": 64})
+    cfg = Qwen3_5Config.tiny().yarn_scaled(4.0, 64)
+    assert cfg.rope_scaling == {"factor": 4.0, "original_max_position_embeddings": 64}
     model, plain = make_model(torch.float32, cfg), make_model(torch.float32)
     ids, _ = inputs()
     with torch.no_grad():

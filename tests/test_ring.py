@@ -6,6 +6,7 @@ Each world size spawns its ranks once; every rank shards the same full inputs, r
 backward for all CASES, and saves its shards; the parent gathers them and compares with the oracle.
 """
 import math
+import multiprocessing
 import socket
 import time
 from pathlib import Path
@@ -102,11 +103,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
+# What every rank imports, imported once by the fork server that starts the ranks (with the module of the first
+# main run here): torch, and transformers' modeling code, which the test files import for their oracles
+PRELOAD = ["torch", "torch.multiprocessing", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "transformers.modeling_utils"]
+
+
 def run_ranks(world, out_dir, timeout=120, main=_rank_main):
-    """Spawn world ranks of main(rank, world, port, out_dir) (a module-level function), each saving
-    out_dir/rank{r}.pt; a failing rank fails the test with its traceback, a hung one with a timeout."""
+    """Start world ranks of main(rank, world, port, out_dir) (a module-level function), each saving
+    out_dir/rank{r}.pt; a failing rank fails the test with its traceback, a hung one with a timeout. The ranks are
+    forked from a fork server that has done the imports (once for this process); a spawned rank would import torch
+    and the modules under test again, seconds a rank on a busy CPU, more than most ranks' work."""
+    multiprocessing.set_forkserver_preload(PRELOAD + [main.__module__])
     ctx = mp.start_processes(main, args=(world, _free_port(), str(out_dir)), nprocs=world,
-                             join=False, start_method="spawn")
+                             join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(max(deadline - time.monotonic(), 0)):  # True once all ranks have exited

@@ -4,7 +4,7 @@ run alone through transformers' Qwen3ForCausalLM. CPU; the tests marked gpu chec
 
     python -m pytest tests/test_docs.py -q
 
-Each world size spawns its ranks once (tests/test_ring.py's run_ranks): every rank runs all CASES in every
+Each world size starts its ranks once (tests/test_ring.py's run_ranks): every rank runs all CASES in every
 document layout, and a packed window through the model, and saves its shards; the parent gathers and compares.
 """
 import functools

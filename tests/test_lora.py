@@ -25,7 +25,7 @@ from parallel import RingAttention, cp_shard
 from test_fa4 import rel
 from test_ring import run_ranks
 
-# peft (a test dependency: the reference LoRA) and transformers are imported where they are used: the spawned
+# peft (a test dependency: the reference LoRA) and transformers are imported where they are used: the
 # ranks import this file and need neither (their imports take longer than a rank's work)
 
 RANK, ALPHA = 4, 6.0   # alpha / rank = 1.5, so that a scale left out would show

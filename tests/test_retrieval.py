@@ -64,7 +64,7 @@ def folders(tmp_path_factory):
 
 def hf_scores(folder, ws):
     """(nll, argmax) of each window's answer rows from transformers' full logits."""
-    import transformers  # the independent reference (here, so that the spawned ranks do not import it)
+    import transformers  # the independent reference (here, so that the ranks do not import it)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     out = []
     with torch.no_grad():

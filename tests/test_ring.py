@@ -2,7 +2,7 @@
 
     python -m pytest tests/test_ring.py -q
 
-Each world size spawns its ranks once; every rank shards the same full inputs, runs the ring forward and
+Each world size starts its ranks once; every rank shards the same full inputs, runs the ring forward and
 backward for all CASES, and saves its shards; the parent gathers them and compares with the oracle.
 """
 import math

@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from loss import chunked_nll
-from model import MLP, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
+from model import Block as Qwen3Block
+from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
 from million.deltanet import DeltaNetMixer, l2norm
 from million.hf import parse_rope
 
@@ -240,29 +240,35 @@ class GatedDeltaNet(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Qwen3_5Config, index: int):
+    """A decoder layer: a token mixer (Gated DeltaNet or gated attention), then model.py's SwiGLU MLP. It offers
+    what model.py's recomputed block uses (index, recompute, keep_attention, offload, body), so that recompute,
+    host offload and the kept attention output (full-attention layers only) are the core's, as for Qwen3."""
+
+    def __init__(self, cfg: Qwen3_5Config, index: int, mixer: DeltaNetMixer):
         super().__init__()
-        self.linear = cfg.layer_types[index] == "linear_attention"
+        self.index, self.linear = index, cfg.layer_types[index] == "linear_attention"
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn, self.mixer = GatedDeltaNet(cfg), mixer
         else:
             self.self_attn = GatedAttention(cfg)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)  # model.py's SwiGLU: same names, same math
+        # memory levers (model.py, section 2), set by Qwen3_5.set_levers
+        self.recompute = False       # keep only the block's input; recompute the rest in backward
+        self.keep_attention = False  # ... and attention's output + lse (a DeltaNet block never attends)
+        self.offload = None          # a model.HostOffload holding what is kept, or None
 
-        self.recompute = False  # keep only the block's input; run it again in backward (Qwen3_5.set_levers)
+    forward = Qwen3Block.forward  # body, or under recompute model._RecomputedBlock around it
 
-    def forward(self, x, cos, sin, attn_fn, mixer, doc_lens=None):
-        if self.recompute and torch.is_grad_enabled():  # every rank reruns the same collectives, in the same order
-            return checkpoint(self.body, x, cos, sin, attn_fn, mixer, doc_lens, use_reentrant=False)
-        return self.body(x, cos, sin, attn_fn, mixer, doc_lens)
-
-    def body(self, x, cos, sin, attn_fn, mixer, doc_lens=None):
+    def body(self, x, cos, sin, attend, mlp_value_is_read=True, doc_lens=None):
+        """x [B, T, H] -> y [B, T, H]; attend as model.Block.body's (the gated attention's only)."""
         h = self.input_layernorm(x)
-        h = self.linear_attn(h, mixer, doc_lens) if self.linear else self.self_attn(h, cos, sin, attn_fn, doc_lens)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.linear:
+            x = x + self.linear_attn(h, self.mixer, doc_lens)
+        else:
+            x = x + self.self_attn(h, cos, sin, attend, doc_lens)
+        return x + self.mlp(self.post_attention_layernorm(x), mlp_value_is_read)
 
 
 class Qwen3_5(nn.Module):
@@ -273,7 +279,7 @@ class Qwen3_5(nn.Module):
         super().__init__()
         self.cfg, self.attn_fn, self.mixer = cfg, attn_fn, mixer or DeltaNetMixer()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.mixer) for i in range(cfg.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -297,7 +303,7 @@ class Qwen3_5(nn.Module):
         cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(rope), dtype)                 # [B, T, rotary_dim]
         x = self.embed_tokens(input_ids)                                                   # [B, T, H]
         for block in self.layers:
-            x = block(x, cos, sin, self.attn_fn, self.mixer, doc_lens)
+            x = block(x, cos, sin, self.attn_fn, doc_lens)                                # [B, T, H]
         h = self.norm(x)
         if labels is None:
             return h
@@ -307,16 +313,14 @@ class Qwen3_5(nn.Module):
         """Full logits [B, T, V], for tests and short evaluation only."""
         return self(input_ids, position_ids, doc_lens=doc_lens) @ self.head_weight().T
 
-    def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0, keep_attention: bool = False,
-                   **_):
-        """model.Qwen3.set_levers' two levers that carry over: recompute each block in backward (here through
-        torch.utils.checkpoint) and the tiled MLP (mlp_tile rows, model.MLP's). Host offload and kept attention
-        live in model.py's recomputed block, written for Qwen3's blocks: refused here."""
-        if offload or keep_attention:
-            raise NotImplementedError("Qwen3.5: offload and keep_attention are not supported (recompute and "
-                                      "mlp_tile are)")
+    def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0,
+                   offload_layers: int | None = None, keep_attention: bool = False,
+                   keep_attention_layers: int | None = None):
+        """model.Qwen3.set_levers' levers, the same arguments: recompute, offload and the tiled MLP in every block;
+        the kept attention output in the full-attention blocks among the first keep_attention_layers."""
+        Qwen3.set_levers(self, recompute, offload, mlp_tile, offload_layers, keep_attention, keep_attention_layers)
         for block in self.layers:
-            block.recompute, block.mlp.tile = recompute, mlp_tile
+            block.keep_attention = block.keep_attention and not block.linear
         return self
 
     @torch.no_grad()

@@ -157,22 +157,51 @@ def test_chunked_rule_matches_recurrence():
     torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=1e-10)
 
 
-def test_levers_keep_values_and_gradients(monkeypatch):
-    """fp64: with each block recomputed in backward and the MLP in tiles of 50 rows, the hidden states and every
-    gradient equal the plain run's within 1e-12; the recompute did run (each DeltaNet layer's forward twice)."""
-    ids, labels = inputs()
-    plain = make_model(torch.float64)
-    h0, _ = run(plain, ids, labels)
-    model = make_model(torch.float64).set_levers(recompute=True, mlp_tile=50)
-    calls = []
-    forward = GatedDeltaNet.forward
-    monkeypatch.setattr(GatedDeltaNet, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
-    h1, _ = run(model, ids, labels)
-    assert len(calls) == 2 * 3  # 3 DeltaNet layers, forward and recompute
-    torch.testing.assert_close(h1, h0, atol=1e-12, rtol=1e-12)
-    assert_grads_close(grads(model), grads(plain), "levers", tol=1e-12)
-    with pytest.raises(NotImplementedError, match="offload"):
-        model.set_levers(offload=True)
+@pytest.fixture(scope="module")
+def group_of_one():
+    """A world of one: the ring's attention function (fwd/bwd halves) is what keep_attention keeps."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plain_run(group_of_one):
+    """fp64, no lever: the hidden states and every gradient."""
+    model = make_model(torch.float64, attn_fn=RingAttention(group_of_one)).set_levers(recompute=False)
+    h, _ = run(model, *inputs())
+    return h, grads(model)
+
+
+@pytest.mark.parametrize("levers", [dict(recompute=True), dict(offload=True), dict(mlp_tile=50),
+                                    dict(recompute=True, keep_attention=True),
+                                    dict(offload=True, keep_attention=True, mlp_tile=50),
+                                    dict(offload=True, offload_layers=2, keep_attention=True,
+                                         keep_attention_layers=3)])
+def test_levers_keep_values_and_gradients(levers, group_of_one, plain_run, monkeypatch):
+    """fp64: each block recomputed in backward by model.py's recomputed block (its input offloaded to host memory
+    with offload, attention's output and lse kept in the full-attention block with keep_attention), the MLP in
+    tiles of 50 rows: the hidden states and every gradient equal the plain run's within 1e-12. Cost as well: the
+    DeltaNet layers run forward twice when recomputed; the attention kernel's forward runs once with its output
+    kept; the host holds each offloaded block's input (and the kept attention output and lse)."""
+    import parallel
+    model = make_model(torch.float64, attn_fn=RingAttention(group_of_one)).set_levers(**levers)
+    deltanet, attention = [], []
+    forward, attn_fwd = GatedDeltaNet.forward, parallel._attn_fwd
+    monkeypatch.setattr(GatedDeltaNet, "forward", lambda *a, **kw: deltanet.append(1) or forward(*a, **kw))
+    monkeypatch.setattr(parallel, "_attn_fwd", lambda *a: attention.append(1) or attn_fwd(*a))
+    h, _ = run(model, *inputs())
+    recompute = levers.get("recompute", True)  # set_levers' default; offload implies it anyway
+    kept = levers.get("keep_attention") and model.cfg.layer_types.index("full_attention") < levers.get(
+        "keep_attention_layers", 4)
+    assert [b.keep_attention for b in model.layers] == [False, False, False, bool(kept)]
+    assert (len(deltanet), len(attention)) == ((2 if recompute else 1) * 3, 1 if kept or not recompute else 2)
+    torch.testing.assert_close(h, plain_run[0], atol=1e-12, rtol=1e-12)
+    assert_grads_close(grads(model), plain_run[1], str(levers), tol=1e-12)
+    if levers.get("offload"):
+        n = levers.get("offload_layers", 4)
+        x, out, lse = 2 * T * 48, 2 * 5 * T * 16, 2 * 5 * T  # per block: its input; attention's out and lse
+        assert model.layers[0].offload.host_bytes() == 8 * (n * x + (out + lse if kept and n == 4 else 0))
 
 
 # --- packed documents on one device -----------------------------------------------------------------

@@ -127,7 +127,10 @@ def build_model(cfg, mcfg, path, mesh, attn_fn, device):
     -> (model, every parameter's full shape)."""
     pdtype = getattr(torch, cfg.param_dtype)
     with torch.device("meta"):
-        if getattr(mcfg, "num_experts", 0):  # Qwen3-MoE: its blocks take a mixture of experts as their MLP
+        if getattr(mcfg, "model_type", "") == "qwen3_5":  # hybrid: DeltaNet layers carry state over the cp ranks
+            from million import qwen3_5
+            model = qwen3_5.build(cfg, mcfg, attn_fn, mesh.get_group("cp")).to(pdtype)
+        elif getattr(mcfg, "num_experts", 0):  # Qwen3-MoE: its blocks take a mixture of experts as their MLP
             from million import moe
             cp_group = mesh.get_group("cp")  # the load-balancing loss sums the router's counts over a sequence
             model = moe.Qwen3MoE(mcfg, attn_fn, cp_sum=lambda t: dist.all_reduce(t, group=cp_group)).to(pdtype)

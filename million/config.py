@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from million import hf
 from million import lora
 from million import packing
 from million import retrieval
@@ -273,6 +274,11 @@ def check_config(cfg: TrainConfig, world: int):
         need(False, str(e))
     lora_error = lora.check_flags(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.quantize, cfg.merge_lora)
     need(lora_error is None, lora_error)
+    kind = hf.model_type(cfg.model) if os.path.isdir(cfg.model) else ""  # a hub id's: once it is downloaded
+    if kind.startswith("qwen3_5"):  # Qwen3.5
+        from million import qwen3_5
+        why = qwen3_5.check_flags(cfg, kind)
+        need(why is None, why)
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
          f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "
          "folder of books not trained on)")

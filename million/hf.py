@@ -27,7 +27,7 @@ def refuse_unsupported(d: dict):
     where = d.get("_name_or_path", "config.json")
     if d.get("model_type") not in ("qwen3", "qwen3_moe"):
         raise ValueError(f"{where}: model_type {d.get('model_type')!r} is not supported; supported: 'qwen3' "
-                         "(Qwen3) and 'qwen3_moe' (Qwen3-MoE).")
+                         "(Qwen3), 'qwen3_moe' (Qwen3-MoE), 'qwen3_5' and 'qwen3_5_text' (Qwen3.5).")
     experts = d.get("num_experts", d.get("num_local_experts"))
     if d["model_type"] == "qwen3" and experts:
         raise ValueError(f"{where}: num_experts in a 'qwen3' config, which transformers builds dense; a "
@@ -91,17 +91,34 @@ def config_from_dict(d: dict) -> Qwen3Config:
                   initializer_range=d.get("initializer_range", 0.02), **moe, raw=dict(d))
 
 
-def read_config(path: str) -> Qwen3Config:
-    """The Qwen3Config of a local folder's config.json; errors say what to pass instead."""
+def read_json(path: str) -> dict:
+    """A local folder's config.json as a dict; errors say what to pass instead."""
     f = os.path.join(path, "config.json")
     if not os.path.isfile(f):
         raise FileNotFoundError(f"no config.json in {path!r}: pass a folder holding an HF Qwen3 checkpoint "
                                 "(or only its config.json, to train from random initialisation).")
     try:
         with open(f) as fh:
-            d = json.load(fh)
+            return json.load(fh)
     except json.JSONDecodeError as e:
         raise ValueError(f"{f} is not valid JSON ({e})") from None
+
+
+def model_type(path: str) -> str:
+    """config.json's model_type in a local folder ("" when there is none to read: read_config then says why)."""
+    try:
+        return str(read_json(path).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+
+
+def read_config(path: str) -> Qwen3Config:
+    """The config of a local folder's config.json: a Qwen3Config (moe.Qwen3MoeConfig for Qwen3-MoE,
+    qwen3_5.Qwen3_5Config for Qwen3.5); errors say what to pass instead."""
+    d = read_json(path)
+    if str(d.get("model_type", "")).startswith("qwen3_5"):  # Qwen3.5: DeltaNet and gated attention layers
+        from million import qwen3_5
+        return qwen3_5.read_config(path)
     return config_from_dict(d)
 
 
@@ -122,7 +139,12 @@ def config_to_dict(cfg: Qwen3Config) -> dict:
     return d
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, cfg=None) -> str:
+    """Our parameter name -> its name in an HF checkpoint; cfg matters for Qwen3.5 (a vision-language checkpoint
+    nests the text decoder)."""
+    if getattr(cfg, "model_type", "") == "qwen3_5":
+        from million import qwen3_5
+        return qwen3_5.hf_name(name, cfg)
     return name if name.startswith("lm_head.") else "model." + name
 
 
@@ -133,7 +155,11 @@ def hf_names(name: str, num_experts: int) -> list[str]:
 
 
 def model_class(cfg: Qwen3Config) -> type:
-    """The model a config builds: moe.Qwen3MoE for a Qwen3MoeConfig, else model.Qwen3."""
+    """The model a config builds: moe.Qwen3MoE for a Qwen3MoeConfig, qwen3_5.Qwen3_5 for a Qwen3_5Config, else
+    model.Qwen3."""
+    if getattr(cfg, "model_type", "") == "qwen3_5":
+        from million.qwen3_5 import Qwen3_5
+        return Qwen3_5
     return Qwen3MoE if isinstance(cfg, Qwen3MoeConfig) else Qwen3
 
 
@@ -188,7 +214,12 @@ def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str
     """The full state dict {name: tensor in dtype}: read from path's *.safetensors (on the CPU), or drawn on
     `device` by init_weights from `seed` where there are none (path None, or a folder with only a config.json,
     with a warning). The draw is the same for any world size: runs at different cp agree on it."""
-    sd = load_hf_state_dict(path, names, dtype, getattr(mcfg, "num_experts", 0)) if path else None
+    if getattr(mcfg, "model_type", "") == "qwen3_5":  # its text decoder's weights, under their names
+        from million import qwen3_5
+        weights = path and any(f.endswith(".safetensors") for f in os.listdir(path))
+        sd = qwen3_5.load_state_dict_from_hf(path, mcfg, names, dtype) if weights else None
+    else:
+        sd = load_hf_state_dict(path, names, dtype, getattr(mcfg, "num_experts", 0)) if path else None
     if sd is not None:
         return sd
     if path:
@@ -199,16 +230,11 @@ def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str
     return ref.state_dict()
 
 
-def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):
-    """config.json + safetensors shards (+ index when sharded) that transformers loads as Qwen3ForCausalLM (or
-    Qwen3MoeForCausalLM, the experts one tensor each, as on the hub)."""
+def write_safetensors(out_dir: str, tensors: dict, max_shard_bytes: int = HF_SHARD_BYTES):
+    """{HF name: tensor} as safetensors shards of at most max_shard_bytes (model.safetensors, or
+    model-0000i-of-0000n.safetensors and their index), readable by others as transformers' own files are."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {}
-    for n, t in state_dict.items():
-        t, hs = t.detach().cpu(), hf_names(n, getattr(cfg, "num_experts", 0))
-        # an expert's slice is cloned: safetensors refuses tensors that share memory
-        tensors.update({hs[0]: t.contiguous()} if len(hs) == 1 else {h: t[e].clone() for e, h in enumerate(hs)})
     shards, size = [{}], 0
     for k, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -216,7 +242,6 @@ def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: i
             shards.append({})
             size = 0
         shards[-1][k], size = t, size + nbytes
-    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     umask = os.umask(0o022)
@@ -229,6 +254,21 @@ def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: i
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
             json.dump(index, fh, indent=2)
+
+
+def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):
+    """config.json + safetensors shards (+ index when sharded) that transformers loads as Qwen3ForCausalLM (or
+    Qwen3MoeForCausalLM, the experts one tensor each, as on the hub; Qwen3.5: qwen3_5.save_hf)."""
+    if getattr(cfg, "model_type", "") == "qwen3_5":
+        from million import qwen3_5
+        return qwen3_5.save_hf(out_dir, cfg, state_dict, max_shard_bytes)
+    tensors = {}
+    for n, t in state_dict.items():
+        t, hs = t.detach().cpu(), hf_names(n, getattr(cfg, "num_experts", 0))
+        # an expert's slice is cloned: safetensors refuses tensors that share memory
+        tensors.update({hs[0]: t.contiguous()} if len(hs) == 1 else {h: t[e].clone() for e, h in enumerate(hs)})
+    write_safetensors(out_dir, tensors, max_shard_bytes)
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump({**config_to_dict(cfg), "torch_dtype": dtype, "dtype": dtype}, fh, indent=2)
 

@@ -18,7 +18,8 @@ see ordinary modules. The chunked loss skips the head's weight gradient (its wei
 Adapters, named as PEFT names them (layers.N.self_attn.q_proj.lora_A.weight), are initialised as PEFT does (A
 kaiming-uniform with a = sqrt(5), B zero, so that training starts from the base model). The export is a PEFT
 adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). Qwen3-MoE: adapters on attention
-only (the experts' stacked weights have no adapter).
+only (the experts' stacked weights have no adapter). Qwen3.5 (qwen3_5.py): its gated attention's projections, its
+Gated DeltaNet layers' (DELTANET) and the MLPs', by the names transformers gives them.
 """
 import importlib.util
 import json
@@ -32,8 +33,10 @@ import torch.nn.functional as F
 from loss import addmm_fp32_
 from model import MLP, _silu_mul, _silu_mul_backward, fused
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's all-linear,
-ATTENTION, MLP_PROJECTIONS = TARGETS[:4], TARGETS[4:]                                    # the head left out
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's linear attention
+TARGETS = ATTENTION + MLP_PROJECTIONS + DELTANET  # PEFT's all-linear, the head left out
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: an absmax per 64 weights, the absmaxes quantized per 256
 # Flags that say what a checkpoint's adapters are: a resumed run keeps them
 FIXED_ON_RESUME = ("lora_rank", "lora_alpha", "lora_targets", "quantize")
@@ -282,7 +285,7 @@ class _GraphStart(torch.autograd.Function):
 
 
 def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None, quantize: str = ""):
-    """Freeze every parameter of model (a Qwen3, on meta or CPU, before FSDP2) in base_dtype (default: as it is)
+    """Freeze every parameter of model (a Qwen3 or Qwen3.5, on meta or CPU, before FSDP2) in base_dtype (default: as it is)
     and give the projections named in targets (a tuple, or a comma list) adapters of `rank` in the model's dtype;
     alpha 0 means 2 x rank (PEFT's default is 8). quantize "nf4": the blocks' projections become NF4 once
     loaded (`quantize`). -> model."""
@@ -294,12 +297,15 @@ def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None
     for p in model.parameters():
         p.requires_grad_(False)
     model.embed_tokens = InputEmbedding(model.embed_tokens)
-    for block in model.layers:
-        for name in ATTENTION:
-            base = getattr(block.self_attn, name)
-            setattr(block.self_attn, name, LoRALinear(base, rank if name in targets else 0, alpha, nf4, base_dtype))
+    for block in model.layers:  # attention, or (Qwen3.5) a Gated DeltaNet layer in its place
+        mixer, names = (block.self_attn, ATTENTION) if hasattr(block, "self_attn") else (block.linear_attn, DELTANET)
+        for name in names:
+            base = getattr(mixer, name)
+            setattr(mixer, name, LoRALinear(base, rank if name in targets else 0, alpha, nf4, base_dtype))
         if isinstance(block.mlp, MLP):
             block.mlp = LoRAMLP(block.mlp, rank, alpha, targets, nf4, base_dtype)
+    if rank and not any(m.rank for m in model.modules() if isinstance(m, LoRALinear)):
+        raise ValueError(f"--lora_targets {','.join(targets)}: none is a projection of this model's blocks")
     if base_dtype is not None:
         for name, p in model.named_parameters():
             if not is_adapter(name):
@@ -398,7 +404,7 @@ def save(folder: str, model, sd: dict, base_model: str, merge: bool = False, dty
     if merge:
         return save_hf(folder, model.cfg, merged_state_dict(model, sd, dtype))
     os.makedirs(folder, exist_ok=True)
-    tensors = {"base_model.model." + hf_name(n): t.detach().to(dtype).contiguous().cpu()
+    tensors = {"base_model.model." + hf_name(n, model.cfg): t.detach().to(dtype).contiguous().cpu()
                for n, t in sd.items() if is_adapter(n)}
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
     umask = os.umask(0o022)

@@ -169,8 +169,9 @@ class Shape:
     @property
     def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer
         dense, widths = self.layers - self.sparse_layers, projection_widths(self)
-        return self.lora_rank * sum(widths[t] * (dense if t.endswith(("gate_proj", "up_proj", "down_proj"))
-                                                  else self.layers) for t in self.lora_targets)
+        # a projection this model of blocks does not know (Qwen3.5's DeltaNet ones) counts 0
+        return self.lora_rank * sum(widths.get(t, 0) * (dense if t.endswith(("gate_proj", "up_proj", "down_proj"))
+                                                         else self.layers) for t in self.lora_targets)
 
     @property
     def trained_params(self):  # what has gradients and AdamW states

@@ -13,10 +13,12 @@ other weights (vision tower, MTP head) pass through a save unchanged.
     python -m pytest tests/test_qwen3_5.py -q
 """
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -26,7 +28,7 @@ from loss import chunked_nll
 from model import Block as Qwen3Block
 from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
 from million.deltanet import DeltaNetMixer, l2norm
-from million.hf import parse_rope
+from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -34,6 +36,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 @dataclass
 class Qwen3_5Config:
     """The text decoder's shape; defaults are transformers' Qwen3_5TextConfig (the 9B)."""
+    model_type: ClassVar[str] = "qwen3_5"  # what train.py and hf.py tell this family by (not a field)
     vocab_size: int = 248320
     hidden_size: int = 4096
     intermediate_size: int = 12288
@@ -90,6 +93,10 @@ class Qwen3_5Config:
         """An HF config.json dict: model_type 'qwen3_5_text', or 'qwen3_5' (a vision-language model; its
         text_config is what is trained here)."""
         kind = d.get("model_type")
+        if kind in ("qwen3_5_moe", "qwen3_5_moe_text"):
+            raise ValueError(f"{d.get('_name_or_path', 'config.json')}: model_type {kind!r} (Qwen3.5-MoE) is not "
+                             "supported: qwen3_5.py has dense MLPs only (no sparse MoE blocks for the hybrid); "
+                             "use a dense Qwen3.5 ('qwen3_5', 'qwen3_5_text') or Qwen3-MoE ('qwen3_moe').")
         if kind not in ("qwen3_5", "qwen3_5_text"):
             raise ValueError(f"{d.get('_name_or_path', 'config.json')}: model_type {kind!r} is not Qwen3.5; "
                              "supported: 'qwen3_5' (its text_config) and 'qwen3_5_text'.")
@@ -333,9 +340,37 @@ class Qwen3_5(nn.Module):
             elif name.endswith("norm.weight"):
                 p.zero_()
             elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=generator).log())
+                p.copy_(torch.empty(p.shape, device=p.device).uniform_(0.01, 16, generator=generator).log())
             else:
                 p.normal_(0.0, self.cfg.initializer_range, generator=generator)
+
+
+# --- In train.py ---------------------------------------------------------------------------------
+
+def check_flags(cfg, model_type: str = "qwen3_5") -> str | None:
+    """What train.py's flags (config.TrainConfig) ask of a Qwen3.5 (config.json's model_type) that it does not do,
+    in one line; or None."""
+    if "moe" in model_type:
+        return (f"--model {cfg.model}: model_type {model_type!r} (Qwen3.5-MoE) is not supported: qwen3_5.py has "
+                "dense MLPs only (no sparse MoE blocks for the hybrid); use a dense Qwen3.5 or a Qwen3-MoE")
+    if cfg.quantize:
+        return (f"--quantize {cfg.quantize}: QLoRA is not supported for Qwen3.5 (its DeltaNet projections are not "
+                "tested in NF4); use --lora_rank without --quantize")
+    return None
+
+
+def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
+    """train.py's model (cfg: its flags; on meta): the DeltaNet layers carry their state over the ranks of cp_group
+    in the layout the data is sharded with: zigzag for one sequence, documents.cp_layout's for a window of
+    documents (packing.py, with the same --doc_attention). Flags it does not support stop every rank here (a hub
+    id's; a local folder's are refused before start-up by config.check_config)."""
+    from million import documents
+    from million.survival import SharedError
+    why = check_flags(cfg, mcfg.raw.get("model_type", "qwen3_5"))
+    if why:
+        raise SharedError(f"error: {why}")
+    layout = functools.partial(documents.cp_layout, balanced=cfg.doc_attention == "balanced")
+    return Qwen3_5(mcfg, attn_fn, DeltaNetMixer(cp_group, layout=layout))
 
 
 # --- HF checkpoints ------------------------------------------------------------------------------
@@ -381,16 +416,14 @@ def from_pretrained(folder: str, dtype=torch.bfloat16, attn_fn=causal_attention,
     return model
 
 
-def save_hf(out_dir: str, cfg: Qwen3_5Config, state_dict: dict):
+def save_hf(out_dir: str, cfg: Qwen3_5Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):
     """config.json + model.safetensors that transformers loads (AutoModelForCausalLM: Qwen3_5ForCausalLM). For a
     composite checkpoint, the weights outside the text decoder (model.visual.*, mtp.*) are copied from cfg.source
-    as they were read."""
-    from safetensors.torch import save_file
+    as they were read. Shards of at most max_shard_bytes, as hf.save_hf writes them."""
     tensors = {hf_name(n, cfg): t.detach().cpu().contiguous() for n, t in state_dict.items()}
     if cfg.source:
         tensors.update({k: t for k, t in _read_safetensors(cfg.source).items() if not _is_text(k, cfg)})
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(out_dir, tensors, max_shard_bytes)
     dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump({**cfg.to_hf_dict(), "dtype": dtype}, fh, indent=2)

@@ -28,9 +28,7 @@ from torch.distributed.rendezvous import rendezvous
 import data
 import parallel
 from model import Qwen3, Qwen3Config
-from million import config, evaluate, hf, kernels, resume
-from million.evaluate import PositionSums
-from million.profiling import profiled
+from million import config, evaluate, hf, kernels, profiling, resume
 from million.metrics import Meter, describe
 from million.survival import (EXIT_PREEMPTED, QUIET_EXIT_S, Log, SharedError, StopRequest, Watchdog, from_rank0,
                               on_rank0, stop_on_error)
@@ -144,8 +142,7 @@ def build_model(cfg, mcfg, path, mesh, attn_fn, device):
     L = mcfg.num_hidden_layers
     count = lambda on, n: 0 if not on else L if n < 0 else min(n, L)  # noqa: E731  (-1: every block)
     model.set_levers(recompute=cfg.recompute, offload=cfg.offload, offload_layers=count(True, cfg.offload_layers),
-                     keep_attention=cfg.keep_attention,
-                     keep_attention_layers=count(True, cfg.keep_attention_layers),
+                     keep_attention=cfg.keep_attention, keep_attention_layers=count(True, cfg.keep_attention_layers),
                      mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0)
     if cfg.lora_rank:  # the last blocks keep their MLP's gate and up outputs for the backward
         lora.keep_mlp(model, count(True, cfg.keep_mlp_layers))
@@ -259,7 +256,7 @@ def train_step(model, opt, batch: list, n_trained: int, cfg, lr: float):
     same on every rank: both are all-reduced), or a step with nothing to train on, changes no weight."""
     for g in opt.param_groups:
         g["lr"] = lr
-    sums = PositionSums(cfg.seq_len, cfg.loss_buckets, batch[0].labels.device)
+    sums = evaluate.PositionSums(cfg.seq_len, cfg.loss_buckets, batch[0].labels.device)
     for m in batch:
         out = model(m.inputs, m.positions, m.labels, loss_chunk=cfg.loss_chunk, doc_lens=getattr(m, "doc_lens", None))
         total = out.total() if hasattr(out, "total") else out.loss_sum  # a MoE adds its load-balancing term
@@ -326,7 +323,7 @@ def loop(cfg, run, rank: int, world: int, t_start: float, log) -> int:
             break
         if cfg.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        with profiled(cfg, step, rank, log):
+        with profiling.profiled(cfg, step, rank, log):
             n_trained, n_pad = step_counts(batch, setup.mesh.get_local_rank("cp"), setup.device)
             result = train_step(setup.model, run.opt, batch, n_trained, cfg, lr_at(step, cfg, run.lr_anchor))
         if step == run.done + 1:  # the run has started: now its files are written

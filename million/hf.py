@@ -2,7 +2,8 @@
 (Qwen3ForCausalLM, or Qwen3MoeForCausalLM with one tensor per expert as on the hub), a hub id fetched to a local
 folder, and load_or_init_state_dict, the one place where weights are read or drawn. train.py reads with
 load_or_init_state_dict on rank 0 (then broadcasts) and writes with save_hf; from_pretrained and save_pretrained do
-the same in one process.
+the same in one process. A Qwen3.5 config.json (model_type qwen3_5 or qwen3_5_text) is read, and its weights
+read, drawn and saved, by qwen3_5.py, imported where that model type is met.
 
     python -c "from million import hf; print(hf.from_pretrained('Qwen/Qwen3-0.6B', torch.float32).cfg)"
     python -m pytest tests/test_model.py tests/test_moe.py -q -k "load or save or hub or checkpoint"

@@ -2,7 +2,7 @@
 logits and every adapter's gradient in fp32, in one process with every memory lever on and off, and under FSDP2
 with the ring at cp 2 and 4, dp 2 and grad_accum 2, on plain and packed windows; the frozen base never moves;
 the exports load in PEFT and transformers; QLoRA's NF4 against torchao and a formula, and its loss against the
-dequantized model's (train.py killed and resumed with QLoRA: tests/e2e/test_lora.py). CPU, about two minutes:
+dequantized model's (train.py killed and resumed with QLoRA: tests/e2e/test_lora.py). CPU, about 40 s:
 
     python -m pytest tests/test_lora.py -q
 """

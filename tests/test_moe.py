@@ -2,7 +2,7 @@
 load-balancing loss too, apart) and every parameter's gradient; the router against transformers' router,
 ties included; HF checkpoints both ways; the memory levers on and off; the ring at cp 2 and 4 under gloo; the
 grouped GEMM against the expert loop (torch's CPU fallback here; the CUDA kernel in the test marked gpu).
-train.py end to end on a MoE config.json: tests/e2e/test_moe.py. CPU, about a minute:
+train.py end to end on a MoE config.json: tests/e2e/test_moe.py. CPU, about 40 s:
 
     python -m pytest tests/test_moe.py -q
 """

@@ -9,7 +9,7 @@ line naming its file and line, and counted; a file that is not UTF-8 stops. The 
 
     python -m million.chat chats.jsonl --tokenizer /path/to/Qwen3-8B --seq_len 32768   # trained tokens shown in [[ ]]
     python -m million.chat synthetic --seq_len 4096 --windows 3                        # text: windows of one stream
-    python -m pytest tests/test_rows.py tests/test_conversations.py -q
+    python -m pytest tests/test_rows.py -q; pytest tests/e2e/test_conversations.py -q
 """
 import functools
 import json

@@ -15,7 +15,7 @@ bytes written; verifying deals the files to the ranks by size, so hashing takes 
 
 This file knows about files, not the model or the trainer's flags: the caller passes the state dicts, the
 trainer state and a fingerprint (what must match for a checkpoint to belong to a run). Which checkpoint a run
-continues from is rundir.py's policy. Exercised by tests/test_long_runs.py and tests/test_checkpoint.py (faults
+continues from is rundir.py's policy. Exercised by tests/e2e/test_long_runs.py and tests/test_checkpoint.py (faults
 injected into real runs); bench/checksum_cost.py measures what the checksums cost.
 """
 import concurrent.futures

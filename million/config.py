@@ -2,7 +2,7 @@
 
     python train.py --help                  # every flag, its default and what it does
     python train.py --config demo --help    # the same with the demo preset's values
-    python -m pytest tests/test_train.py -q
+    python -m pytest tests/test_train.py tests/e2e/test_train.py -q
 
 Every field of TrainConfig is a flag; its help is the field's metadata, so --help and the code cannot disagree.
 """

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 train.py --config demo --eval_every 50     # during training
     torchrun --standalone --nproc_per_node 2 train.py --config demo --model SAVE_DIR --eval_only true
-    python -m pytest tests/test_positions.py -q
+    python -m pytest tests/e2e/test_positions.py -q
 
 An evaluation runs training's forward (ring attention, chunked loss) under no_grad on the first --eval_sequences
 windows of --eval_data's --eval_split: the same windows every time, so rows compare.

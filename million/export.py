@@ -2,7 +2,7 @@
 or with LoRA a PEFT adapter folder or the merged model (lora.py), with the tokenizer the run used. Written beside
 the folder and renamed into place.
 
-    python -m pytest tests/test_train.py tests/test_lora.py -q -k export
+    python -m pytest tests/e2e/test_train.py tests/e2e/test_long_runs.py tests/e2e/test_lora.py -q -k "save or export"
 """
 import os
 import shutil

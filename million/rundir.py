@@ -13,7 +13,7 @@ continues from and whether it belongs to this run (the fingerprint), falling bac
 checksums or its load, whether the outputs have room, and the logs, which only ever hold whole lines. Nothing is
 written, and no folder made, until the first step has run (a start that fails changes no file), and an earlier
 run that --overwrite replaces is deleted only then. It runs on rank 0, but for load_newest (every rank); train.py
-shares its answers and errors with the other ranks. Exercised by tests/test_long_runs.py and
+shares its answers and errors with the other ranks. Exercised by tests/e2e/test_long_runs.py and
 tests/test_checkpoint.py (faults injected into real runs).
 """
 import contextlib

@@ -6,7 +6,7 @@
 - Watchdog: no rank waits forever for a peer that died or froze.
 - stop_on_error: the one line a rank prints for an error, then an exit that waits for nobody.
 
-    python -m pytest tests/test_survival.py tests/test_long_runs.py -q
+    python -m pytest tests/test_survival.py tests/e2e/test_long_runs.py -q
 """
 import contextlib
 import os

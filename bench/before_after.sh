@@ -4,7 +4,7 @@
 # 1st compiles), either the full fine-tune or LoRA rank 16. One stage per call (each takes about 6 minutes).
 #
 #   git archive OLD_COMMIT | tar -x -C runs/before      # here; runs/ is ignored, so carry it to the GPU machine
-#   bash bench/before_after.sh full runs/before $OUT      # there, with FA4 on PYTHONPATH (bench/fa4_wheels.sh)
+#   bash bench/before_after.sh full runs/before $OUT      # there, with FA4 on PYTHONPATH (bench/gpu_wheels.sh)
 #   bash bench/before_after.sh lora runs/before $OUT
 #   bash bench/before_after.sh docs runs/before $OUT      # each rank's document attention (bench/doc_balance.py)
 #

@@ -3,6 +3,7 @@
 
     python bench/fa4_attn.py                        # H200: Qwen3-4B heads (32 q / 8 kv, d 128), bf16, ~1.5 min
     python bench/fa4_attn.py --seq_len 8192 --iters 2   # a quick look
+    python bench/fa4_attn.py --heads 16:4 --head_dim 256 --out bench/results/fa4_attn_d256.json   # Qwen3.5
     python bench/fa4_attn.py --small                # any machine: tiny shapes on CPU (the CPU kernels), the code paths
 
 Shapes: the causal diagonal block at --seq_len (one call on a whole 131k sequence, or a ring's step 0), and a
@@ -57,6 +58,7 @@ def main():
     ap.add_argument("--backends", default="fa4,cudnn")
     ap.add_argument("--seq_len", type=int, default=131072)
     ap.add_argument("--heads", default="32:8", help="Hq:Hkv")
+    ap.add_argument("--head_dim", type=int, default=128, help="Qwen3: 128; Qwen3.5's gated attention: 256")
     ap.add_argument("--per_call", default="4,8,32", help="query heads per backward kernel call, for the memory rows")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="T 256, 8 q / 2 kv heads, on CPU")
@@ -67,7 +69,7 @@ def main():
     out_path = args.out or os.path.join(ROOT, "bench", "results", f"fa4_attn{'_small' if args.small else ''}.json")
     dev = torch.device("cpu" if args.small else "cuda")
     hq, hkv = map(int, args.heads.split(":"))
-    b, d, t = 1, 128, args.seq_len
+    b, d, t = 1, args.head_dim, args.seq_len
     gen = torch.Generator(dev).manual_seed(0)
     q, dout = bthd(b, hq, t, d, gen), bthd(b, hq, t, d, gen)
     k, v = bthd(b, hkv, t, d, gen), bthd(b, hkv, t, d, gen)

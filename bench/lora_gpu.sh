@@ -17,7 +17,7 @@
 #   bash bench/lora_gpu.sh profile OUT     # LoRA at 131,072 tokens, the levers --fit auto picks there given by hand
 #                                          # (bench/profile_step.py runs --fit off): step 3 traced, its summary
 #
-# FA4 on PYTHONPATH first (bench/fa4_wheels.sh); QLoRA needs torchao, the tests need peft (wheels, --no-deps).
+# FA4 on PYTHONPATH first (bench/gpu_wheels.sh); QLoRA needs torchao, the tests need peft (wheels, --no-deps).
 set -u
 STAGE=$1; OUT=$(mkdir -p "$2" && cd "$2" && pwd)
 MODEL=bench/configs/qwen3-8b

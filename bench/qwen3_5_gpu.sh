@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
 # Qwen3.5 at the 9B shape of transformers' Qwen3_5TextConfig defaults (bench/configs/qwen3_5-9b: 8.95 B
-# parameters, 24 Gated DeltaNet + 8 gated attention layers), random init, LoRA r16 on every linear (the DeltaNet
-# projections included), one GPU, 2 steps; the DeltaNet layers on the pure-PyTorch chunked rule (no fla).
+# parameters, 24 Gated DeltaNet + 8 gated attention layers), random init, one GPU, 2 steps (the second is timed):
+# LoRA r16 on every linear (the DeltaNet projections included), or a full fine-tune (bf16 weights and AdamW
+# states with stochastic rounding: fp32 ones, 16 bytes a parameter, do not fit one GPU).
 #
-#   bash bench/qwen3_5_gpu.sh OUT [TOKENS...]     # default: 16384 65536; FA4 on PYTHONPATH if installed
+#   bash bench/qwen3_5_gpu.sh OUT RUN...      # RUN: lora:TOKENS or full:TOKENS, e.g. lora:131072 full:131072
+#   EXTRA="--offload_layers 20" bash bench/qwen3_5_gpu.sh OUT lora:524288    # flags added to every run
 #
-# Each run starts in a process group of its own; a run cut by its timeout has that group ended, and nothing else.
+# With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4 (--fit
+# auto leaves a hybrid model's levers as given: every block offloaded, the default). Each run starts in a process
+# group of its own; a run cut by its timeout has that group ended, and nothing else.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); shift
 TARGETS=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
-for n in "${@:-16384 65536}"; do
-    for tokens in $n; do
-        setsid timeout "$(( tokens < 32768 ? 200 : 380 ))" python -m torch.distributed.run --standalone \
-            --nproc_per_node 1 train.py --model bench/configs/qwen3_5-9b --tokenizer byte --data synthetic \
-            --yarn_factor 0 --seq_len "$tokens" --max_steps 2 --lora_rank 16 --lora_targets "$TARGETS" \
-            --checkpoints false --resume none --overwrite true --out_dir "/tmp/q35_$tokens" \
-            > "$OUT/q35_$tokens.log" 2>&1 &
-        pid=$!; wait "$pid"; echo "q35_$tokens rc $?" >> "$OUT/rc.txt"; kill -- "-$pid" 2>/dev/null
-        cp "/tmp/q35_$tokens/metrics.jsonl" "$OUT/q35_$tokens.metrics.jsonl" 2>/dev/null
-        grep -E "^(fit|model|step|error)" "$OUT/q35_$tokens.log" | tail -5
-    done
+for run in "$@"; do
+    kind=${run%%:*}; tokens=${run#*:}
+    case $kind in
+        lora) flags=(--lora_rank 16 --lora_targets "$TARGETS") ;;
+        full) flags=(--param_dtype bfloat16 --stochastic_rounding true) ;;
+        *) echo "unknown run $run: want lora:TOKENS or full:TOKENS" >&2; exit 2 ;;
+    esac
+    name="q35_${kind}_$tokens"
+    # shellcheck disable=SC2086
+    setsid timeout "${TIMEOUT:-$(( tokens < 100000 ? 300 : 480 ))}" python -m torch.distributed.run --standalone \
+        --nproc_per_node 1 train.py --model bench/configs/qwen3_5-9b --tokenizer byte --data synthetic \
+        --yarn_factor 0 --seq_len "$tokens" --max_steps 2 "${flags[@]}" ${EXTRA:-} \
+        --checkpoints false --resume none --overwrite true --out_dir "/tmp/$name" > "$OUT/$name.log" 2>&1 &
+    pid=$!; wait "$pid"; echo "$name rc $?" >> "$OUT/rc.txt"; kill -- "-$pid" 2>/dev/null
+    cp "/tmp/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+    grep -E "^(fit|offload|model|step|error)|Warning|Error" "$OUT/$name.log" | tail -6
 done

@@ -70,6 +70,8 @@ class TrainConfig:
     stochastic_rounding: bool = flag(False, "with --param_dtype bfloat16: updates computed in fp32, rounded to bf16 "
                                      "at random (optim.py): small updates kept on average, 8 bytes per parameter")
     attn_backend: str = flag("auto", "auto | fa4 | cudnn | flash: the CUDA attention kernels (kernels.py)")
+    deltanet_kernel: str = flag("auto", "auto | fla | torch: Qwen3.5's Gated DeltaNet kernels (deltanet.py); auto "
+                                "takes fla where it runs (a CUDA GPU, fla-core, Triton >= 3.7.1 on Hopper)")
     fit: str = flag("auto", "auto: the fastest levers predicted to fit this node (plan.py) | off: as given",
                     heading="memory levers (model.py, section 2). With --fit auto, plan.py sets those not given on "
                             "the command line")
@@ -240,6 +242,8 @@ def check_config(cfg: TrainConfig, world: int):
          "or leave it 0")
     need(cfg.attn_backend in ("auto", "fa4", "cudnn", "flash"),
          f"--attn_backend {cfg.attn_backend}: use auto, fa4, cudnn or flash")
+    need(cfg.deltanet_kernel in ("auto", "fla", "torch"),
+         f"--deltanet_kernel {cfg.deltanet_kernel}: use auto, fla or torch")
     need(cfg.cp >= 0, f"--cp {cfg.cp}: must be >= 1 (or 0 for the world size)")
     cp = context_parallel(cfg, world)
     need(world % cp == 0, f"--cp {cp} does not divide the world size {world}; data parallel = world / cp")

@@ -12,6 +12,7 @@ sequence order gives every chunk the state it starts from.
 import bisect
 import functools
 import itertools
+import re
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,35 @@ import torch.nn.functional as F
 from parallel import zigzag_layout
 
 CHUNK = 64  # tokens per chunk of the chunked rule, as fla and transformers
+KERNELS = ("auto", "fla", "torch")  # --deltanet_kernel
+
+
+@functools.cache
+def fla_unavailable():
+    """Why fla's chunked kernels (fla-core 0.6, Triton) cannot run here, or None when they can. Imported only
+    here: CI has no GPU and no fla."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import triton
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as e:  # ImportError, or Triton failing to load
+        return f"fla does not import ({type(e).__name__}: {str(e)[:200]})"
+    version = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:3])
+    if torch.cuda.get_device_capability()[0] == 9 and version < (3, 7, 1):  # fla refuses it in the backward
+        return f"Triton {triton.__version__} computes fla's gated backward wrongly on Hopper; it needs >= 3.7.1"
+    return None
+
+
+def resolve_kernel(kernel="auto"):
+    """What --deltanet_kernel means here: "fla" (GPU kernels) or "torch" (chunk_gated_delta_rule below, which
+    also runs on the CPU and is the oracle the fla path is tested against). auto: fla where it can run."""
+    if kernel not in KERNELS:
+        raise ValueError(f"--deltanet_kernel {kernel}: use one of {', '.join(KERNELS)}")
+    if kernel == "fla" and fla_unavailable():
+        raise ValueError(f"--deltanet_kernel fla: {fla_unavailable()}; install it with `pip install fla-core "
+                         "triton>=3.7.1` (bench/gpu_wheels.sh without a package index) or pass --deltanet_kernel torch")
+    return ("torch" if fla_unavailable() else "fla") if kernel == "auto" else kernel
 
 
 def l2norm(x, eps=1e-6):
@@ -65,6 +95,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK):
         out.append(q_in[:, :, i] @ S + attn[:, :, i] @ v_new)
         S = S * last[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ v_new              # [B, H, dk, dv]
     return torch.stack(out, 2).reshape(B, H, n * chunk, -1)[:, :, :T], S
+
+
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, state=None):
+    """chunk_gated_delta_rule on fla's Triton kernels: the same arguments and results (the state in fp32), with
+    q, k, v and beta in the model's dtype (bf16: transformers passes fla the same), g in fp32. fla takes
+    [B, T, H, d]; the transposes here are a copy each, small next to the kernels."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    g, beta = g.transpose(1, 2).float().contiguous(), beta.transpose(1, 2).to(q.dtype).contiguous()
+    o, state = fla_rule(q, k, v, g, beta, scale=1.0, initial_state=None if state is None else state.float(),
+                        output_final_state=True)
+    return o.transpose(1, 2), state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,8 +170,15 @@ class DeltaNetMixer:
     short and the same code serves forward and backward; what crosses the ranks is a few [dk, dk + dv] summaries
     and K - 1 tokens per chunk, small next to a chunk's work."""
 
-    def __init__(self, group=None, layout=None):
+    def __init__(self, group=None, layout=None, kernel="torch"):
         self.group, self.layout = group, layout
+        self.kernel = kernel  # "torch" or "fla" (resolve_kernel's answer)
+        self._rule = fla_chunk_gated_delta_rule if kernel == "fla" else chunk_gated_delta_rule
+
+    def dtype(self, model_dtype):
+        """The dtype q, k, v and beta go to the rule in: fla's kernels take the model's (they accumulate in fp32),
+        the torch rule fp32 or wider."""
+        return model_dtype if self.kernel == "fla" else torch.promote_types(model_dtype, torch.float32)
 
     def _where(self, t, doc_lens):
         world = 1 if self.group is None else dist.get_world_size(self.group)
@@ -181,14 +230,14 @@ class DeltaNetMixer:
             for s0, s1 in segments:
                 part = [x[:, :, s0:s1] for x in (q, k, v, g, beta)]
                 if world == 1 or s0 != l0:  # one device, or a segment that begins a document: from zero
-                    o, state = chunk_gated_delta_rule(*part)
+                    o, state = self._rule(*part)
                     out.append(o)
                     continue
                 # every rank's first segments run this way, even from a document's start (then S is multiplied by
                 # 0): each rank then uses the gathered summaries, as _AllGather needs
                 eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(B, H, dk, dk)
                 part[2] = F.pad(part[2], (0, dk))                                 # v -> [v | 0]
-                o, state = chunk_gated_delta_rule(*part, F.pad(eye, (dv, 0)))    # state [B, H, dk, dv + dk]
+                o, state = self._rule(*part, F.pad(eye, (dv, 0)))                # state [B, H, dk, dv + dk]
                 out.append(o[..., :dv])
                 pending.append((len(out) - 1, j, o[..., dv:], carried))          # A [B, H, len, dk]
                 M = state[..., dv:]
@@ -199,10 +248,10 @@ class DeltaNetMixer:
             return torch.cat(out, 2)
         gathered = _AllGather.apply(torch.stack(summaries), self.group)          # [world, n_local, B, H, dk, dv+dk]
         summary = {j: gathered[r, m] for r, held in enumerate(layout) for m, j in enumerate(held)}
-        S, start = q.new_zeros(B, H, dk, dv), []
+        S, start = gathered.new_zeros(B, H, dk, dv), []  # in the state's dtype (fp32 at least)
         for j in range(len(summary)):  # the scan, in sequence order: S_out = M S_in + R
             start.append(S)
             S = summary[j][..., dv:] @ S + summary[j][..., :dv]
         for i, j, A, carried in pending:
-            out[i] = out[i] + A @ (start[j] * float(carried))
+            out[i] = out[i] + (A.to(S.dtype) @ (start[j] * float(carried))).to(out[i].dtype)
         return torch.cat(out, 2)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from loss import chunked_nll
 from model import Block as Qwen3Block
 from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
-from million.deltanet import DeltaNetMixer, l2norm
+from million.deltanet import DeltaNetMixer, l2norm, resolve_kernel
 from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -228,18 +228,19 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, mixer, doc_lens=None):
         """x [B, T, H] -> [B, T, H]; mixer: deltanet.DeltaNetMixer (one device or a cp group)."""
         B, T, _ = x.shape
-        acc = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in fp32 (or wider)
+        wide = torch.promote_types(x.dtype, torch.float32)  # the norms and the decay in fp32 (or wider)
+        acc = mixer.dtype(x.dtype)                          # what the rule takes: fp32 on torch, bf16 on fla
         qkv = F.silu(mixer.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_lens))          # [B, T, conv_dim]
         q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
         heads = self.nv // self.nk
 
         def per_value_head(t):  # [B, T, nk * dk] -> [B, nv, T, dk], normalised, in acc
-            t = l2norm(t.reshape(B, T, self.nk, self.dk).to(acc))
+            t = l2norm(t.reshape(B, T, self.nk, self.dk).to(wide)).to(acc)
             return t.repeat_interleave(heads, dim=2).transpose(1, 2)
 
         q, k = per_value_head(q) * self.dk ** -0.5, per_value_head(k)
         v = v.reshape(B, T, self.nv, self.dv).transpose(1, 2).to(acc)                         # [B, nv, T, dv]
-        g = -self.A_log.to(acc).exp() * F.softplus(self.in_proj_a(x).to(acc) + self.dt_bias)  # [B, T, nv] log decay
+        g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)  # [B, T, nv] log decay
         beta = self.in_proj_b(x).sigmoid().to(acc)                                            # [B, T, nv]
         o = mixer.rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), doc_lens)           # [B, nv, T, dv]
         o = self.norm(o.transpose(1, 2).to(x.dtype), self.in_proj_z(x).view(B, T, self.nv, self.dv))
@@ -356,6 +357,10 @@ def check_flags(cfg, model_type: str = "qwen3_5") -> str | None:
     if cfg.quantize:
         return (f"--quantize {cfg.quantize}: QLoRA is not supported for Qwen3.5 (its DeltaNet projections are not "
                 "tested in NF4); use --lora_rank without --quantize")
+    try:
+        resolve_kernel(getattr(cfg, "deltanet_kernel", "auto"))
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -370,7 +375,13 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
     if why:
         raise SharedError(f"error: {why}")
     layout = functools.partial(documents.cp_layout, balanced=cfg.doc_attention == "balanced")
-    return Qwen3_5(mcfg, attn_fn, DeltaNetMixer(cp_group, layout=layout))
+    kernel = resolve_kernel(cfg.deltanet_kernel)
+    if kernel == "torch" and cfg.device == "cuda":
+        import warnings
+        from million.deltanet import fla_unavailable
+        warnings.warn(f"the DeltaNet layers run on the torch rule, a Python loop over 64-token chunks (fla: "
+                      f"{fla_unavailable()}); pip install fla-core triton>=3.7.1 for the GPU kernels", stacklevel=2)
+    return Qwen3_5(mcfg, attn_fn, DeltaNetMixer(cp_group, layout=layout, kernel=kernel))
 
 
 # --- HF checkpoints ------------------------------------------------------------------------------

@@ -157,6 +157,79 @@ def test_chunked_rule_matches_recurrence():
     torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=1e-10)
 
 
+def rel(a, b):
+    """||a - b|| / ||b||, in fp64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def rule_inputs(B, H, L, dk, dv, dtype, device, seed=0, state=True):
+    """Normalised q and k (q scaled by dk^-1/2, as the model passes them), values, decays g in [-0.2, 0] (slow, so
+    the state crosses chunks) and beta = sigmoid(N(0, 1)); q, k, v and beta rounded to dtype, then held in fp32 so
+    that the oracle sees what the kernel sees."""
+    gen = torch.Generator().manual_seed(seed)
+    n = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = torch.nn.functional.normalize(n(B, H, L, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(n(B, H, L, dk), dim=-1)
+    x = [t.to(dtype).float() for t in (q, k, n(B, H, L, dv), n(B, H, L).sigmoid())]
+    x.insert(3, -0.2 * torch.rand(B, H, L, generator=gen))
+    x.append(n(B, H, dk, dv) if state else None)
+    return [None if t is None else t.to(device).requires_grad_() for t in x]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, H, L, dk, dv, state", [
+    (1, 6, 300, 64, 48, True),        # not a multiple of 64 tokens, dk != dv, from a state
+    (2, 3, 1000, 128, 256, True),     # the context-parallel form: v padded with dk columns, state [R | M]
+    (1, 32, 8192, 128, 128, False),   # the 9B's DeltaNet heads
+    (1, 6, 333, 12, 10, True),        # the tiny test model's head dims
+])
+def test_fla_kernel_matches_the_torch_rule(B, H, L, dk, dv, state):
+    """deltanet.fla_chunk_gated_delta_rule (fla's Triton kernels, bf16 q/k/v/beta) against the torch rule in fp32
+    on the same rounded inputs: output, final state and the gradients of q, k, v, g, beta and the state for a
+    random upstream gradient, each within 2e-2 in norm (bf16 operands: 1e-3 to 1e-2 expected)."""
+    from million.deltanet import fla_chunk_gated_delta_rule, fla_unavailable
+    if fla_unavailable():
+        pytest.skip(f"fla: {fla_unavailable()}")
+    x = rule_inputs(B, H, L, dk, dv, torch.bfloat16, "cuda", state=state)
+    want, want_state = chunk_gated_delta_rule(*x)
+    kernel_in = [t.detach().to(torch.bfloat16 if i in (0, 1, 2, 4) else torch.float32).requires_grad_()
+                 if t is not None else None for i, t in enumerate(x)]
+    got, got_state = fla_chunk_gated_delta_rule(*kernel_in)
+    assert got.shape == want.shape and got_state.dtype == torch.float32 and torch.isfinite(got).all()
+    do, ds = torch.randn_like(want), torch.randn_like(want_state)
+    torch.autograd.backward([want, want_state], [do, ds])
+    torch.autograd.backward([got, got_state], [do.to(got.dtype), ds])
+    errors = {"o": rel(got, want), "state": rel(got_state, want_state)}
+    errors.update({f"d{n}": rel(b.grad, a.grad) for n, a, b in zip("qkvgb", x, kernel_in)})
+    if state:
+        errors["dstate"] = rel(kernel_in[5].grad, x[5].grad)
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < 2e-2, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("docs", [None, DOCS])
+def test_fla_model_matches_the_torch_model(docs):
+    """The tiny model in bf16 on the GPU, DeltaNet layers on fla against the same weights on the torch rule: the
+    loss within 1e-2 relative and each gradient within 5e-2 in norm (bf16 end to end), one sequence and packed
+    documents (fla runs each document's segment from a zero state)."""
+    from million.deltanet import fla_unavailable
+    if fla_unavailable():
+        pytest.skip(f"fla: {fla_unavailable()}")
+    cfg = Qwen3_5Config.tiny(linear_key_head_dim=32, linear_value_head_dim=48)
+    ids, labels, pos = doc_inputs()
+    got = {}
+    for kernel in ("torch", "fla"):
+        model = make_model(torch.float32, cfg, mixer=DeltaNetMixer(kernel=kernel)).to("cuda", torch.bfloat16)
+        h, nll = run(model, ids.cuda(), labels.cuda(), pos.cuda() if docs else None, docs)
+        got[kernel] = (nll.loss_sum.item(), grads(model))
+    (l0, g0), (l1, g1) = got["torch"], got["fla"]
+    assert abs(l1 - l0) / abs(l0) < 1e-2, (l0, l1)
+    worst = max((rel(g1[n], g0[n]), n) for n in g0)
+    print(f"loss {l0:.6f} vs {l1:.6f}, worst gradient {worst[0]:.1e} ({worst[1]})")
+    assert worst[0] < 5e-2, worst
+
+
 @pytest.fixture(scope="module")
 def group_of_one():
     """A world of one: the ring's attention function (fwd/bwd halves) is what keep_attention keeps."""
@@ -406,6 +479,13 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
     assert moe.startswith("error: --model") and "Qwen3.5-MoE" in moe and "dense MLPs only" in moe and "\n" not in moe
     nf4 = error("qwen3_5_text", "--lora_rank", "4", "--quantize", "nf4")
     assert nf4.startswith("error: --quantize nf4: QLoRA is not supported for Qwen3.5") and "\n" not in nf4
+    from million.deltanet import fla_unavailable
+    bad = error("qwen3_5_text", "--deltanet_kernel", "triton")
+    assert bad == "error: --deltanet_kernel triton: use auto, fla or torch", bad
+    if fla_unavailable():  # the CPU (CI): asking for fla says why it cannot run and what to do instead
+        fla = error("qwen3_5_text", "--deltanet_kernel", "fla")
+        assert fla.startswith(f"error: --deltanet_kernel fla: {fla_unavailable()}") and \
+            "--deltanet_kernel torch" in fla and "\n" not in fla, fla
     error("qwen3_5_moe")
     with pytest.raises(ValueError, match="Qwen3.5-MoE"):  # what rank 0 says of a hub id's folder
         read_config(str(folder))

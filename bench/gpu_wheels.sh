@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The optional GPU kernels for a GPU machine that has torch but no package index, from wheels fetched on a machine
+# that has one: FlashAttention-4 (flash-attn-4 and the CuTe DSL; the attention) and fla-core 0.6 with Triton 3.7.1
+# (the Gated DeltaNet of Qwen3.5; fla refuses Triton < 3.7.1 on Hopper). Python 3.12, x86-64 Linux, CUDA 13.
+#
+#   bash bench/gpu_wheels.sh download   # here: unpack every wheel into one tree, pack it as tar.xz, cut it in two:
+#                                       # .whl/p1 and .whl/p2, each small enough for one call's carry (< 64 MiB)
+#   bash bench/gpu_wheels.sh stage      # there, in a call that carries .whl/p1: copy it to /tmp/gpu_wheels
+#   bash bench/gpu_wheels.sh install    # there, in the next call, carrying .whl/p2: join, unpack into /tmp/site
+#   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+#
+# Wheels are unpacked (python3 -m zipfile -e), not pip-installed: no resolver, nothing of the image's own packages
+# is touched (the Triton here shadows torch's own only through PYTHONPATH), and the cutlass DSL's .pth file (which
+# puts dsl_packages on sys.path) is replaced by PYTHONPATH. Triton's profiler parts (cupti, proton) and its
+# Blackwell ptxas are left out: nothing here uses them, and they would need a third call. On a machine with an
+# index: pip install flash-attn-4 fla-core==0.6.0 triton==3.7.1.
+set -euo pipefail
+WHEELS=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+        nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2"
+        torch-c-dlpack-ext quack-kernels triton==3.7.1 fla-core==0.6.0 einops)
+STAGE=/tmp/gpu_wheels
+
+case "${1:-}" in
+download)
+    rm -rf .whl/all .whl/site .whl/p1 .whl/p2 && mkdir -p .whl/all .whl/site .whl/p1 .whl/p2
+    for w in "${WHEELS[@]}"; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/all "$w"
+    done
+    for f in .whl/all/*.whl; do python3 -m zipfile -e "$f" .whl/site; done
+    rm -rf .whl/site/*.pth .whl/site/triton/backends/nvidia/lib/cupti .whl/site/triton/_C/libproton.so \
+        .whl/site/triton/instrumentation .whl/site/triton/backends/nvidia/bin/ptxas-blackwell
+    tar -cf - -C .whl site | xz -T0 -6 > .whl/site.tar.xz           # about 95 MB, from 760 MB
+    split -n 2 .whl/site.tar.xz .whl/site.tar.xz.part
+    mv .whl/site.tar.xz.partaa .whl/p1/ && mv .whl/site.tar.xz.partab .whl/p2/
+    rm -rf .whl/site .whl/site.tar.xz
+    du -sh .whl/p1 .whl/p2
+    ;;
+stage)
+    mkdir -p $STAGE && cp .whl/p1/* $STAGE/
+    ;;
+install)
+    cp .whl/p2/* $STAGE/
+    cat $STAGE/site.tar.xz.partaa $STAGE/site.tar.xz.partab | tar -xJf - -C /tmp
+    rm -rf $STAGE
+    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages python3 -c "import flash_attn.cute, cutlass, \
+triton, fla.ops.gated_delta_rule; print('flash_attn.cute', cutlass.__version__, 'triton', triton.__version__)"
+    ;;
+*)
+    echo "usage: bash bench/gpu_wheels.sh download|stage|install" >&2
+    exit 2
+    ;;
+esac

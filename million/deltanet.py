@@ -12,6 +12,7 @@ sequence order gives every chunk the state it starts from.
 import bisect
 import functools
 import itertools
+import math
 import re
 
 import torch
@@ -57,13 +58,14 @@ def l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK):
+def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK, final=True):
     """The gated delta rule over one span, S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T and
     o_t = S_t^T q_t, computed a chunk at a time (the form of fla and of transformers' torch_chunk_gated_delta_rule).
 
     q, k [B, H, T, dk] (L2-normalised, q scaled by dk^-1/2), v [B, H, T, dv], g (log decay, <= 0) and beta
     [B, H, T], all in one float dtype (fp32 or wider: the rule is not run in bf16); state [B, H, dk, dv] before the
-    span, None for zeros. -> (o [B, H, T, dv], state after the span [B, H, dk, dv]).
+    span, None for zeros. -> (o [B, H, T, dv], state after the span [B, H, dk, dv]; computed whatever final says,
+    the flag that lets fla skip it).
 
     This is the seam for a GPU kernel: fla's chunk_gated_delta_rule(..., initial_state, output_final_state=True)
     computes the same (with q, k, v as [B, T, H, d])."""
@@ -97,16 +99,59 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK):
     return torch.stack(out, 2).reshape(B, H, n * chunk, -1)[:, :, :T], S
 
 
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, state=None):
-    """chunk_gated_delta_rule on fla's Triton kernels: the same arguments and results (the state in fp32), with
-    q, k, v and beta in the model's dtype (bf16: transformers passes fla the same), g in fp32. fla takes
-    [B, T, H, d]; the transposes here are a copy each, small next to the kernels."""
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, state=None, final=True):
+    """chunk_gated_delta_rule on fla's Triton kernels: the same arguments and results (the state in fp32; None
+    when final is False, where the caller drops it), with q, k, v and beta in the model's dtype (bf16:
+    transformers passes fla the same), g in fp32. fla takes [B, T, H, d]; the transposes here are a copy each,
+    small next to the kernels."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     g, beta = g.transpose(1, 2).float().contiguous(), beta.transpose(1, 2).to(q.dtype).contiguous()
     o, state = fla_rule(q, k, v, g, beta, scale=1.0, initial_state=None if state is None else state.float(),
-                        output_final_state=True)
+                        output_final_state=final)
     return o.transpose(1, 2), state
+
+
+def disagreement(rule, heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300):
+    """`rule` (fla_chunk_gated_delta_rule) against the torch rule in fp32 on the same inputs rounded to dtype, at a
+    model's head dims and in both ways the mixer calls it (from zero, the final state dropped; from a state, the
+    final state used), forward and backward for random upstream gradients: None if every output and gradient is
+    within tol of the torch rule's in norm (bf16 lands near 5e-3), else a line naming the worst. Run once at
+    start-up, so that a kernel wrong at some shape, or on some Triton, stops a run instead of training it wrongly."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
+    worst = (0.0, "")
+    for from_state in (False, True):
+        q = l2norm(n(1, heads, length, dk)) * dk ** -0.5
+        x = [t.to(dtype) for t in (q, l2norm(n(1, heads, length, dk)), n(1, heads, length, dv))]
+        x += [-0.2 * torch.rand(1, heads, length, generator=gen, device=device), n(1, heads, length).sigmoid()]
+        x[4] = x[4].to(dtype)
+        s0 = n(1, heads, dk, dv) if from_state else None
+        mine = [t.detach().float().requires_grad_() for t in x] + [s0]
+        theirs = [t.detach().requires_grad_() for t in x] + [None if s0 is None else s0.clone().requires_grad_()]
+        if from_state:
+            mine[5].requires_grad_()
+        want, want_state = chunk_gated_delta_rule(*mine)
+        got, got_state = rule(*theirs, final=from_state)
+        do = n(*want.shape)
+        outs = [(want, do, got)] + ([(want_state, n(*want_state.shape), got_state)] if from_state else [])
+        torch.autograd.backward([w for w, _, _ in outs], [d for _, d, _ in outs])
+        torch.autograd.backward([g for _, _, g in outs], [d.to(g.dtype) for _, d, g in outs])
+        pairs = {"o": (got, want), "dq": (theirs[0].grad, mine[0].grad), "dk": (theirs[1].grad, mine[1].grad),
+                 "dv": (theirs[2].grad, mine[2].grad), "dg": (theirs[3].grad, mine[3].grad),
+                 "dbeta": (theirs[4].grad, mine[4].grad)}
+        if from_state:
+            pairs.update(state=(got_state, want_state), dstate=(theirs[5].grad, mine[5].grad))
+        for name, (a, b) in pairs.items():
+            err = ((a.double() - b.double()).norm() / b.double().norm()).item() if a is not None else float("inf")
+            err = err if math.isfinite(err) else float("inf")  # NaN: as wrong as it gets
+            if err > worst[0]:
+                worst = (err, f"{name} {'from a state' if from_state else 'from zero'}")
+    err, where = worst
+    if err <= tol:
+        return None
+    return (f"the DeltaNet kernel differs from the torch rule at {heads} heads, dk {dk}, dv {dv}: relative error "
+            f"{err:.2g} in {where} (tolerance {tol:g})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +275,7 @@ class DeltaNetMixer:
             for s0, s1 in segments:
                 part = [x[:, :, s0:s1] for x in (q, k, v, g, beta)]
                 if world == 1 or s0 != l0:  # one device, or a segment that begins a document: from zero
-                    o, state = self._rule(*part)
+                    o, state = self._rule(*part, final=world > 1)  # a summary needs the last state
                     out.append(o)
                     continue
                 # every rank's first segments run this way, even from a document's start (then S is multiplied by

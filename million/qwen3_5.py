@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from loss import chunked_nll
 from model import Block as Qwen3Block
 from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
+from million import deltanet
 from million.deltanet import DeltaNetMixer, l2norm, resolve_kernel
 from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
 
@@ -375,12 +376,20 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
     if why:
         raise SharedError(f"error: {why}")
     layout = functools.partial(documents.cp_layout, balanced=cfg.doc_attention == "balanced")
-    kernel = resolve_kernel(cfg.deltanet_kernel)
-    if kernel == "torch" and cfg.device == "cuda":
+    kernel, slow = resolve_kernel(cfg.deltanet_kernel), None
+    if kernel == "fla":  # checked against the torch rule at this model's head dims before it trains anything
+        why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads,
+                                    mcfg.linear_key_head_dim, mcfg.linear_value_head_dim, getattr(torch, cfg.dtype),
+                                    torch.device("cuda", torch.cuda.current_device()))
+        if why and cfg.deltanet_kernel == "fla":
+            raise SharedError(f"error: --deltanet_kernel fla: {why}; pass --deltanet_kernel torch")
+        kernel, slow = ("torch", why) if why else (kernel, None)
+    elif cfg.device == "cuda":
+        slow = f"fla: {deltanet.fla_unavailable()}; pip install fla-core triton>=3.7.1 for its GPU kernels"
+    if slow:
         import warnings
-        from million.deltanet import fla_unavailable
-        warnings.warn(f"the DeltaNet layers run on the torch rule, a Python loop over 64-token chunks (fla: "
-                      f"{fla_unavailable()}); pip install fla-core triton>=3.7.1 for the GPU kernels", stacklevel=2)
+        warnings.warn(f"the DeltaNet layers run on the torch rule, a Python loop over 64-token chunks ({slow})",
+                      stacklevel=2)
     return Qwen3_5(mcfg, attn_fn, DeltaNetMixer(cp_group, layout=layout, kernel=kernel))
 
 

@@ -4,6 +4,7 @@ gloo, one spawn per world size) and with packed documents; the HF round trip.
 
     python -m pytest tests/test_qwen3_5.py -q -p no:xdist
 """
+import functools
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from loss import chunked_nll
 from million import documents
 from million.deltanet import DeltaNetMixer, chunk_gated_delta_rule
+from model import causal_attention
 from million.qwen3_5 import (GatedDeltaNet, Qwen3_5, Qwen3_5Config, from_pretrained, hf_name, read_config,
                              save_pretrained)
 from parallel import RingAttention, cp_shard, cp_unshard
@@ -182,6 +184,7 @@ def rule_inputs(B, H, L, dk, dv, dtype, device, seed=0, state=True):
     (2, 3, 1000, 128, 256, True),     # the context-parallel form: v padded with dk columns, state [R | M]
     (1, 32, 8192, 128, 128, False),   # the 9B's DeltaNet heads
     (1, 6, 333, 12, 10, True),        # the tiny test model's head dims
+    (2, 6, 296, 32, 48, True),        # the GPU model test's
 ])
 def test_fla_kernel_matches_the_torch_rule(B, H, L, dk, dv, state):
     """deltanet.fla_chunk_gated_delta_rule (fla's Triton kernels, bf16 q/k/v/beta) against the torch rule in fp32
@@ -207,6 +210,45 @@ def test_fla_kernel_matches_the_torch_rule(B, H, L, dk, dv, state):
     assert max(errors.values()) < 2e-2, errors
 
 
+def flalike(q, k, v, g, beta, state=None, final=True):
+    """The torch rule behind fla's contract (bf16 in and out, the final state only when asked)."""
+    o, s = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), state)
+    return o.to(q.dtype), s if final else None
+
+
+def test_the_start_up_check_stops_a_wrong_kernel():
+    """deltanet.disagreement, which qwen3_5.build runs before fla trains anything, passes a kernel that computes the
+    rule and names what differs in one that does not: a decay gradient doubled, an initial state ignored, NaNs."""
+    from million.deltanet import disagreement
+    check = functools.partial(disagreement, heads=3, dk=12, dv=10, device="cpu", length=150)
+    assert check(flalike) is None
+
+    def doubled_decay_gradient(q, k, v, g, beta, state=None, final=True):
+        g = g * 1
+        g.register_hook(lambda d: 2 * d)
+        return flalike(q, k, v, g, beta, state, final)
+
+    def no_initial_state(q, k, v, g, beta, state=None, final=True):
+        return flalike(q, k, v, g, beta, None, final)
+
+    def nans(q, k, v, g, beta, state=None, final=True):
+        o, s = flalike(q, k, v, g, beta, state, final)
+        return o * float("nan"), s
+    assert "relative error 1 in dg from zero" in check(doubled_decay_gradient)
+    assert "from a state" in check(no_initial_state)
+    why = check(nans)
+    assert why.startswith("the DeltaNet kernel differs from the torch rule at 3 heads, dk 12, dv 10: relative "
+                          "error inf in o from zero") and "\n" not in why, why
+
+
+@pytest.mark.gpu
+def test_the_start_up_check_passes_fla_at_the_9b_head_dims():
+    from million.deltanet import disagreement, fla_chunk_gated_delta_rule, fla_unavailable
+    if fla_unavailable():
+        pytest.skip(f"fla: {fla_unavailable()}")
+    assert disagreement(fla_chunk_gated_delta_rule, 32, 128, 128) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("docs", [None, DOCS])
 def test_fla_model_matches_the_torch_model(docs):
@@ -220,12 +262,14 @@ def test_fla_model_matches_the_torch_model(docs):
     ids, labels, pos = doc_inputs()
     got = {}
     for kernel in ("torch", "fla"):
-        model = make_model(torch.float32, cfg, mixer=DeltaNetMixer(kernel=kernel)).to("cuda", torch.bfloat16)
+        model = make_model(torch.float32, cfg, attn_fn=documents.masked_attention if docs else causal_attention,
+                           mixer=DeltaNetMixer(kernel=kernel)).to("cuda", torch.bfloat16)
         h, nll = run(model, ids.cuda(), labels.cuda(), pos.cuda() if docs else None, docs)
         got[kernel] = (nll.loss_sum.item(), grads(model))
     (l0, g0), (l1, g1) = got["torch"], got["fla"]
     assert abs(l1 - l0) / abs(l0) < 1e-2, (l0, l1)
     worst = max((rel(g1[n], g0[n]), n) for n in g0)
+    print({n: f"{rel(g1[n], g0[n]):.1e}" for n in g0 if "linear_attn" in n})
     print(f"loss {l0:.6f} vs {l1:.6f}, worst gradient {worst[0]:.1e} ({worst[1]})")
     assert worst[0] < 5e-2, worst
 

@@ -3,10 +3,10 @@
 # that has one: FlashAttention-4 (flash-attn-4 and the CuTe DSL; the attention) and fla-core 0.6 with Triton 3.7.1
 # (the Gated DeltaNet of Qwen3.5; fla refuses Triton < 3.7.1 on Hopper). Python 3.12, x86-64 Linux, CUDA 13.
 #
-#   bash bench/gpu_wheels.sh download   # here: unpack every wheel into one tree, pack it as tar.xz, cut it in two:
-#                                       # .whl/p1 and .whl/p2, each small enough for one call's carry (< 64 MiB)
-#   bash bench/gpu_wheels.sh stage      # there, in a call that carries .whl/p1: copy it to /tmp/gpu_wheels
-#   bash bench/gpu_wheels.sh install    # there, in the next call, carrying .whl/p2: join, unpack into /tmp/site
+#   bash bench/gpu_wheels.sh download   # here: unpack every wheel into one tree, pack it as tar.xz (168 MB, from
+#                                       # 1 GB), cut it in four: .whl/p1 ... .whl/p4, each fits one call's carry
+#   bash bench/gpu_wheels.sh stage      # there, in calls that carry .whl/p1, p2, p3: copy them to /tmp/gpu_wheels
+#   bash bench/gpu_wheels.sh install    # there, in the next call, carrying .whl/p4: join, unpack into /tmp/site
 #   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 #
 # Wheels are unpacked (python3 -m zipfile -e), not pip-installed: no resolver, nothing of the image's own packages
@@ -22,7 +22,7 @@ STAGE=/tmp/gpu_wheels
 
 case "${1:-}" in
 download)
-    rm -rf .whl/all .whl/site .whl/p1 .whl/p2 && mkdir -p .whl/all .whl/site .whl/p1 .whl/p2
+    rm -rf .whl/all .whl/site .whl/p? && mkdir -p .whl/all .whl/site .whl/p1 .whl/p2 .whl/p3 .whl/p4
     for w in "${WHEELS[@]}"; do
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -31,18 +31,19 @@ download)
     for f in .whl/all/*.whl; do python3 -m zipfile -e "$f" .whl/site; done
     rm -rf .whl/site/*.pth .whl/site/triton/backends/nvidia/lib/cupti .whl/site/triton/_C/libproton.so \
         .whl/site/triton/instrumentation .whl/site/triton/backends/nvidia/bin/ptxas-blackwell
-    tar -cf - -C .whl site | xz -T0 -6 > .whl/site.tar.xz           # about 95 MB, from 760 MB
-    split -n 2 .whl/site.tar.xz .whl/site.tar.xz.part
-    mv .whl/site.tar.xz.partaa .whl/p1/ && mv .whl/site.tar.xz.partab .whl/p2/
+    tar -cf - -C .whl site | xz -T0 -6 > .whl/site.tar.xz
+    split -n 4 .whl/site.tar.xz .whl/site.tar.xz.part
+    i=1; for part in .whl/site.tar.xz.parta?; do mv "$part" ".whl/p$i/"; i=$((i + 1)); done
     rm -rf .whl/site .whl/site.tar.xz
-    du -sh .whl/p1 .whl/p2
+    du -sh .whl/p?
     ;;
 stage)
-    mkdir -p $STAGE && cp .whl/p1/* $STAGE/
+    mkdir -p $STAGE && cp .whl/p?/* $STAGE/ && ls $STAGE
     ;;
 install)
-    cp .whl/p2/* $STAGE/
-    cat $STAGE/site.tar.xz.partaa $STAGE/site.tar.xz.partab | tar -xJf - -C /tmp
+    cp .whl/p?/* $STAGE/
+    cat $STAGE/site.tar.xz.parta? | tar -xJf - -C /tmp
+    chmod +x /tmp/site/triton/backends/nvidia/bin/*          # zipfile -e drops the mode bits: ptxas must run
     rm -rf $STAGE
     PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages python3 -c "import flash_attn.cute, cutlass, \
 triton, fla.ops.gated_delta_rule; print('flash_attn.cute', cutlass.__version__, 'triton', triton.__version__)"

@@ -7,9 +7,10 @@
 #   bash bench/qwen3_5_gpu.sh OUT RUN...      # RUN: lora:TOKENS or full:TOKENS, e.g. lora:131072 full:131072
 #   EXTRA="--offload_layers 20" bash bench/qwen3_5_gpu.sh OUT lora:524288    # flags added to every run
 #
-# With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4 (--fit
-# auto leaves a hybrid model's levers as given: every block offloaded, the default). Each run starts in a process
-# group of its own; a run cut by its timeout has that group ended, and nothing else.
+# With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4. The levers
+# are the ones measured (--fit off: every block offloaded and keeping attention's output, unless EXTRA says
+# otherwise); plan.py's predictions for them are checked in tests/test_plan.py. Each run starts in a process group
+# of its own; a run cut by its timeout has that group ended, and nothing else.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); shift
 TARGETS=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
@@ -24,7 +25,7 @@ for run in "$@"; do
     # shellcheck disable=SC2086
     setsid timeout "${TIMEOUT:-$(( tokens < 100000 ? 300 : 480 ))}" python -m torch.distributed.run --standalone \
         --nproc_per_node 1 train.py --model bench/configs/qwen3_5-9b --tokenizer byte --data synthetic \
-        --yarn_factor 0 --seq_len "$tokens" --max_steps 2 "${flags[@]}" ${EXTRA:-} \
+        --yarn_factor 0 --seq_len "$tokens" --max_steps 2 --fit off "${flags[@]}" ${EXTRA:-} \
         --checkpoints false --resume none --overwrite true --out_dir "/tmp/$name" > "$OUT/$name.log" 2>&1 &
     pid=$!; wait "$pid"; echo "$name rc $?" >> "$OUT/rc.txt"; kill -- "-$pid" 2>/dev/null
     cp "/tmp/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null

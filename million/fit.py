@@ -54,11 +54,8 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
         fixed.update(tiled_mlp=cfg.tiled_mlp, mlp_tile=cfg.mlp_tile)
     if "keep_mlp_layers" in given:
         fixed["keep_mlp_layers"] = lv.keep_mlp_layers
-    # plan.py's cost model knows full-attention blocks only: not Qwen3.5's DeltaNet layers
-    hybrid = any(t != "full_attention" for t in getattr(mcfg, "layer_types", None) or ())
-    if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib) or hybrid:
-        why = ("--fit off" if cfg.fit == "off" else "no recompute" if not cfg.recompute else
-               "the cost model does not know DeltaNet layers" if hybrid else "CPU")
+    if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib):
+        why = "--fit off" if cfg.fit == "off" else "no recompute" if not cfg.recompute else "CPU"
         return log(f"fit: levers as given ({why})")
     caps = torch.tensor([cfg.gpu_mem_gib or plan.gpu_memory_gib(), cfg.host_mem_gib or plan.host_memory_gib()],
                         dtype=torch.float64, device=device)

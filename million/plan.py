@@ -60,16 +60,27 @@ class Constants:
                                         # in + out width, for its adapter's passes in a step (forward, recompute,
                                         # backward), beyond the frozen GEMMs' time and the adapters' own FLOPs
     nf4_s_per_gparam: float = 0.0       # QLoRA: seconds per billion NF4 weights per step (their dequantizations)
+    deltanet_s_per_mtoken_layer: float = 0.0  # Qwen3.5: seconds per million tokens on the rank per Gated DeltaNet
+                                        # layer for its rule and conv in a step (forward, recompute, backward: fla's
+                                        # kernels), beyond its projections' GEMMs and the per-token term
+    deltanet_work_bytes_per_token: float = 0.0  # Qwen3.5: a DeltaNet block's working set in its recompute and
+                                        # backward, per token (its projections' outputs and fla's buffers)
 
 
-FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0),  # kernel benchmark: cuDNN 539-555, FA4 621-622
+FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark: cuDNN 539-555, FA4 621-622
+                                    # head_dim 256 (Qwen3.5), not fitted: bench/fa4_attn.py's causal forward +
+                                    # backward at 65,536 tokens (bench/results/fa4_attn_d256.json)
+                                    cudnn_d256=409.9, fa4_d256=435.5),
                    gemm_tflops=641.3,                           # profile: ~700
                    other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=29.0, ring_bytes_per_token_qdim=7.93,
                    sr_s_per_gparam=0.1, moe_s_per_mslot_layer=0.081,  # these two: three MoE runs (bench/NOTES.md)
                    # bench/lora_linear.py's adapter time over the frozen GEMM less the adapter FLOPs (2.8 ps per
                    # token per width, forward and backward) x 1.3 for the recompute's forward; NF4: QLoRA's 131k
                    # step over LoRA's, 0.72 s for 6.95 B NF4 weights
-                   adapter_ps_per_token_width=3.6, nf4_s_per_gparam=0.104)
+                   adapter_ps_per_token_width=3.6, nf4_s_per_gparam=0.104,
+                   # Qwen3.5 9B on one H200, fla and FA4, LoRA r16 at 131,072 tokens: the step's time and peak less
+                   # the rest of this model (bench/NOTES.md, "Qwen3.5 on fla and FA4")
+                   deltanet_s_per_mtoken_layer=2.34, deltanet_work_bytes_per_token=318e3)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
@@ -111,6 +122,11 @@ class Shape:
     lora_rank: int = 0
     lora_targets: tuple = ()
     quantize: str = ""       # "nf4": the frozen projections in NF4
+    # Qwen3.5 (qwen3_5.py): the layers at attention_at are gated attention (q_proj twice as wide: query and gate),
+    # the others Gated DeltaNet of dn = (key heads, value heads, key dim, value dim, conv kernel); () = every layer
+    # attention
+    attention_at: tuple = ()
+    dn: tuple = (0, 0, 0, 0, 0)
 
     @classmethod
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
@@ -118,21 +134,38 @@ class Shape:
            quantize=""):
         sparse = sum(map(mcfg.sparse, range(mcfg.num_hidden_layers))) if isinstance(mcfg, Qwen3MoeConfig) else 0
         moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse) if sparse else (0,) * 4
+        types = getattr(mcfg, "layer_types", None) or ()  # Qwen3.5's
+        hybrid = dict(attention_at=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+                      dn=(mcfg.linear_num_key_heads, mcfg.linear_num_value_heads, mcfg.linear_key_head_dim,
+                          mcfg.linear_value_head_dim, mcfg.linear_conv_kernel_dim)) if types else {}
         return cls(mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                    mcfg.num_key_value_heads, mcfg.head_dim, mcfg.vocab_size, mcfg.tie_word_embeddings, seq_len, cp,
                    world, ranks_per_node, param_bytes, act_bytes, loss_chunk,
                    attn_backend if attn_backend in FITTED.attn_tflops else "cudnn", *moe,
                    stochastic_rounding=stochastic_rounding, lora_rank=lora_rank,
-                   lora_targets=tuple(lora_targets) if lora_rank else (), quantize=quantize if lora_rank else "")
+                   lora_targets=tuple(lora_targets) if lora_rank else (), quantize=quantize if lora_rank else "",
+                   **hybrid)
 
     @property
     def tokens(self):  # per rank
         return self.seq_len // self.cp
 
     @property
-    def attention_matmul_params(self):  # a block's q, k, v and o projections
+    def attn_layers(self):  # layers of (causal softmax) attention
+        return len(self.attention_at) if self.dn[0] else self.layers
+
+    def attn_in(self, n: int) -> int:
+        """Attention layers among the first n blocks (the levers count blocks; only these keep attention)."""
+        return sum(i < n for i in self.attention_at) if self.dn[0] else min(n, self.layers)
+
+    @property
+    def attention_matmul_params(self):  # a block's q, k, v and o projections (Qwen3.5: q_proj also gives the gate)
         h, qd, kvd = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * qd * 2 + h * kvd * 2
+        return h * qd * (3 if self.dn[0] else 2) + h * kvd * 2
+
+    @property
+    def deltanet_matmul_params(self):  # a DeltaNet block's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
+        return sum(i * o for i, o in deltanet_projections(self).values())
 
     @property
     def moe_params(self):  # a sparse block's experts and router: what is stored
@@ -145,13 +178,17 @@ class Shape:
     @property
     def blocks_matmul_params(self):  # every block's projections and MLP a token meets (in MoE: its top_k experts)
         dense = self.layers - self.sparse_layers
-        return (self.layers * self.attention_matmul_params + dense * 3 * self.hidden * self.intermediate
+        return (self.attn_layers * self.attention_matmul_params + dense * 3 * self.hidden * self.intermediate
+                + (self.layers - self.attn_layers) * self.deltanet_matmul_params
                 + self.sparse_layers * self.moe_active_params)
 
     def _params(self, moe):
-        dense = self.layers - self.sparse_layers
+        dense, (nk, nv, dk, dv, conv) = self.layers - self.sparse_layers, self.dn
         norms = 2 * self.hidden + 2 * self.head_dim  # the two RMSNorms and the QK-norms
-        return (self.layers * (self.attention_matmul_params + norms) + dense * 3 * self.hidden * self.intermediate
+        # a DeltaNet block: its two RMSNorms, the conv's weights, A_log and dt_bias, the gated norm
+        deltanet = self.deltanet_matmul_params + 2 * self.hidden + (2 * nk * dk + nv * dv) * conv + 2 * nv + dv
+        return (self.attn_layers * (self.attention_matmul_params + norms) + (self.layers - self.attn_layers) * deltanet
+                + dense * 3 * self.hidden * self.intermediate
                 + self.sparse_layers * moe + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden)
 
     @property
@@ -164,14 +201,17 @@ class Shape:
 
     def lora_shape(self, rank=LORA_HINT_RANK, quantize="") -> "Shape":
         """This shape with adapters of `rank` on every projection (lora.py's default targets)."""
-        return replace(self, lora_rank=rank, lora_targets=tuple(projection_widths(self)), quantize=quantize)
+        return replace(self, lora_rank=rank, quantize=quantize,
+                       lora_targets=tuple(projection_widths(self)) + tuple(deltanet_projections(self)))
 
     @property
     def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer
         dense, widths = self.layers - self.sparse_layers, projection_widths(self)
-        # a projection this model of blocks does not know (Qwen3.5's DeltaNet ones) counts 0
-        return self.lora_rank * sum(widths.get(t, 0) * (dense if t.endswith(("gate_proj", "up_proj", "down_proj"))
-                                                         else self.layers) for t in self.lora_targets)
+        deltanet = {t: i + o for t, (i, o) in deltanet_projections(self).items()} if self.dn[0] else {}
+        return self.lora_rank * (
+            sum(widths.get(t, 0) * (dense if t.endswith(("gate_proj", "up_proj", "down_proj")) else self.attn_layers)
+                for t in self.lora_targets)
+            + sum(deltanet.get(t, 0) * (self.layers - self.attn_layers) for t in self.lora_targets))
 
     @property
     def trained_params(self):  # what has gradients and AdamW states
@@ -185,10 +225,20 @@ class Shape:
 
 
 def projection_widths(s: Shape) -> dict:
-    """in + out of each block projection, by name."""
+    """in + out of each attention block's projection and of the MLP's, by name."""
     h, q, kv, i = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
-    return dict(q_proj=h + q, k_proj=h + kv, v_proj=h + kv, o_proj=q + h, gate_proj=h + i, up_proj=h + i,
-                down_proj=i + h)
+    return dict(q_proj=h + q * (2 if s.dn[0] else 1), k_proj=h + kv, v_proj=h + kv, o_proj=q + h, gate_proj=h + i,
+                up_proj=h + i, down_proj=i + h)
+
+
+def deltanet_projections(s: Shape) -> dict:
+    """(in, out) of a Gated DeltaNet block's projections, by name; empty for a model without them."""
+    nk, nv, dk, dv, _ = s.dn
+    if not nk:
+        return {}
+    h = s.hidden
+    return dict(in_proj_qkv=(h, 2 * nk * dk + nv * dv), in_proj_z=(h, nv * dv), in_proj_b=(h, nv),
+                in_proj_a=(h, nv), out_proj=(nv * dv, h))
 
 
 @dataclass(frozen=True)
@@ -217,8 +267,9 @@ def matmul_params(s: Shape) -> int:
 
 def attention_fwd_flops(s: Shape) -> int:
     """Causal attention's forward over the whole sequence: QK^T and PV, 2 FLOPs a multiply-add each, over half
-    the [seq_len x seq_len] square, in every layer."""
-    return 2 * s.seq_len ** 2 * s.heads * s.head_dim * s.layers
+    the [seq_len x seq_len] square, in every attention layer (Qwen3.5's DeltaNet layers: none; their rule's own
+    FLOPs, about 3% of such a layer's projections, are not counted)."""
+    return 2 * s.seq_len ** 2 * s.heads * s.head_dim * s.attn_layers
 
 
 def useful_flops(s: Shape) -> float:
@@ -235,7 +286,7 @@ def useful_flops(s: Shape) -> float:
 def attention_flops(s: Shape, lv: Levers) -> float:
     """Attention FLOPs the busiest rank runs in a step: forward, backward (2.5x), and the forward again in the
     blocks that recompute it; with packed documents, only the mask's area (attn_area)."""
-    recomputed = (s.layers - lv.keep_attention_layers) / s.layers
+    recomputed = (s.attn_layers - s.attn_in(lv.keep_attention_layers)) / s.attn_layers
     return attention_fwd_flops(s) / s.cp * (1 + 2.5 + recomputed) * s.attn_area
 
 
@@ -271,7 +322,8 @@ def host_bytes(s: Shape, lv: Levers, pinned: bool = True) -> float:
     also keep attention; each a buffer of its own, in whole pages (pinned=False: the tensors' bytes)."""
     size = pinned_size if pinned else int
     x, out, lse = kept_bytes(s)
-    return lv.offload_layers * size(x) + min(lv.keep_attention_layers, lv.offload_layers) * (size(out) + size(lse))
+    return lv.offload_layers * size(x) + s.attn_in(min(lv.keep_attention_layers, lv.offload_layers)) * (
+        size(out) + size(lse))
 
 
 def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
@@ -288,9 +340,12 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
         state += frozen_bytes(s)
         loss -= 4 * s.vocab * s.hidden                            # a frozen head has no gradient
     work = k.work_bytes_per_token_hidden * s.hidden * s.tokens
+    if s.dn[0]:  # one block at a time: the larger of the two kinds' working sets
+        work = max(work, k.deltanet_work_bytes_per_token * s.tokens)
     if s.cp > 1:
         work += k.ring_bytes_per_token_qdim * s.heads * s.head_dim * s.tokens
-    on_gpu = ((s.layers - lv.offload_layers) * x + max(lv.keep_attention_layers - lv.offload_layers, 0) * attn
+    on_gpu = ((s.layers - lv.offload_layers) * x + max(s.attn_in(lv.keep_attention_layers) - s.attn_in(lv.offload_layers),
+                                                      0) * attn
               + lv.keep_mlp_layers * kept_mlp_bytes(s))
     mlp = 0
     if not lv.tiled_mlp and s.tokens > lv.mlp_tile:  # the four [T, intermediate] tensors whole, not a tile's; for
@@ -337,20 +392,36 @@ def adapter_seconds(s: Shape, lv: Levers | None = None, k: Constants = FITTED) -
             + k.nf4_s_per_gparam * s.nf4_params / 1e9)
 
 
+def attn_rate(s: Shape, k: Constants = FITTED) -> float:
+    """FLOP/s of the attention kernels: by backend, and by head_dim where measured apart (256: Qwen3.5's)."""
+    return k.attn_tflops.get(f"{s.attn_backend}_d{s.head_dim}", k.attn_tflops[s.attn_backend]) * 1e12
+
+
 def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
-    return (attention_flops(s, lv) / (k.attn_tflops[s.attn_backend] * 1e12)
+    return (attention_flops(s, lv) / attn_rate(s, k)
             + gemm_flops(s, lv) / (k.gemm_tflops * 1e12)
             + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 + k.sr_s_per_gparam * sr_gparams(s)
-            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6 + adapter_seconds(s, lv, k))
+            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6 + adapter_seconds(s, lv, k) + deltanet_seconds(s, k))
+
+
+def deltanet_seconds(s: Shape, k: Constants = FITTED) -> float:
+    """Qwen3.5's DeltaNet rule and conv in a step, at a rate per token and layer measured on one GPU. Under
+    context parallelism each rank's chunks run once with dk more value columns (deltanet.py's span summaries): the
+    rule's work grows by about (dv + dk) / dv; the all-gather of the summaries is a few MB, not counted."""
+    nk, nv, dk, dv, _ = s.dn
+    if not nk:
+        return 0.0
+    wider = (dv + dk) / dv if s.cp > 1 else 1.0
+    return k.deltanet_s_per_mtoken_layer * (s.layers - s.attn_layers) * s.tokens / 1e6 * wider
 
 
 def forward_seconds(s: Shape, k: Constants = FITTED) -> float:
     """One forward with nothing kept for a backward (an evaluation): attention's forward, the blocks' GEMMs once,
     and a third of the per-token term (fitted to whole steps; how it splits over their passes was not measured).
     About a third of a step that recomputes nothing."""
-    return (attention_fwd_flops(s) / s.cp * s.attn_area / (k.attn_tflops[s.attn_backend] * 1e12)
+    return (attention_fwd_flops(s) / s.cp * s.attn_area / attn_rate(s, k)
             + 2 * s.tokens * s.blocks_matmul_params / (k.gemm_tflops * 1e12)
-            + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 / 3)
+            + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 / 3 + deltanet_seconds(s, k) / 4)
 
 
 def predict(s: Shape, lv: Levers, k: Constants = FITTED) -> Cost:
@@ -418,13 +489,14 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         hints.append(f"--param_dtype bfloat16 --stochastic_rounding true (state {4 * s.param_bytes} -> 8 bytes per "
                      "parameter, updates kept on average)")
     if gpu_short and not s.lora_rank:  # LoRA or QLoRA, whichever fits the longer sequence (LoRA on a tie)
-        fit = [(s.seq_len if fits_with(x) else longest(x), q) for q in ("", "nf4") for x in [s.lora_shape(quantize=q)]]
+        fit = [(s.seq_len if fits_with(x) else longest(x), q) for q in ("", "nf4")[:1 if s.dn[0] else 2]
+               for x in [s.lora_shape(quantize=q)]]  # (Qwen3.5 has no QLoRA)
         length, q = max(fit, key=lambda f: (f[0] or 0, not f[1]))
         if length:
             hints.append(f"--lora_rank {LORA_HINT_RANK}" + (" --quantize nf4" if q else "")
                          + (f" --seq_len {length}" if length != s.seq_len else "")
                          + " (LoRA: the model frozen, only adapters trained)")
-    elif gpu_short and not s.quantize and fits_with(replace(s, quantize="nf4")):
+    elif gpu_short and not s.quantize and not s.dn[0] and fits_with(replace(s, quantize="nf4")):
         hints.append("--quantize nf4 (QLoRA: the frozen projections in 4 bits)")
     raise NoFit(f"no set of levers fits: the nearest (offload_layers {nearest.offload_layers}, keep_attention_layers "
                 f"{nearest.keep_attention_layers}) needs {c.gpu_gib:.1f} GiB of GPU memory per rank (plan limit "

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+from dataclasses import replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -302,3 +303,80 @@ def test_no_fit_names_lora_qlora_and_a_length_that_fit():
     assert not fits(full[1048576].lora_shape(quantize="nf4"))
     assert "--quantize nf4 (QLoRA" in no_fit(full[524288].lora_shape())
     assert "--seq_len 524288, or more GPUs" in no_fit(full[1048576].lora_shape(quantize="nf4"))
+
+
+# --- Qwen3.5 ---------------------------------------------------------------------------------------------
+
+Q35_RUNS = os.path.join(ROOT, "bench", "results", "qwen3_5_fla_2026-12-04")
+Q35_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+               "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+def q35_shape(seq_len, lora_rank=16, **kw):
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-9b"))
+    return plan.Shape.of(mcfg, seq_len, 1, 1, 1, attn_backend="fa4", lora_rank=lora_rank,
+                         lora_targets=Q35_TARGETS if lora_rank else (), **kw)
+
+
+def test_qwen3_5_counts_are_the_models():
+    """The hybrid's parameters, matmul parameters (every nn.Linear: gated q_proj, the DeltaNet projections, the
+    head) and LoRA adapters on all twelve projection kinds are the 9B model's own, built on meta; attention FLOPs
+    count its 8 attention layers, not 32."""
+    from million import lora
+    from million.qwen3_5 import Qwen3_5
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-9b"))
+    with torch.device("meta"):
+        m = Qwen3_5(mcfg)
+    s = q35_shape(131072, lora_rank=0)
+    assert s.params == sum(p.numel() for p in m.parameters()) == 8_953_803_264
+    assert plan.matmul_params(s) == sum(x.weight.numel() for x in m.modules() if isinstance(x, torch.nn.Linear))
+    assert s.attn_layers == 8 and plan.attention_fwd_flops(s) == 2 * 131072 ** 2 * 16 * 256 * 8
+    with torch.device("meta"):
+        adapted = lora.apply(Qwen3_5(mcfg), 16, targets=Q35_TARGETS)
+    assert q35_shape(131072).lora_params == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert s.lora_shape().lora_targets == Q35_TARGETS
+
+
+def q35_runs():
+    """The measured steps: (kind, tokens, offloaded blocks, step s, peak GiB, pinned host GiB), step 2 of each."""
+    import json
+    runs = []
+    for kind, tokens, offloaded in (("lora", 65536, 32), ("lora", 131072, 32), ("lora", 262144, 24),
+                                    ("full", 131072, 32)):
+        with open(os.path.join(Q35_RUNS, f"q35_{kind}_{tokens}.metrics.jsonl")) as fh:
+            row = [json.loads(line) for line in fh][-1]
+        assert row["step"] == 2
+        runs.append((kind, tokens, offloaded, row["step_time_s"], row["peak_mem_gib"], row["host_pinned_gib"]))
+    return runs
+
+
+def test_qwen3_5_steps_are_predicted():
+    """The DeltaNet constants are the 131k LoRA run's residual (its step and peak less the rest of the model), and
+    with them the other three runs are predicted: time within 5% (-0.4%, -1.9%, -4.3%), GPU peak within 9% (the
+    262k run's +8.4% the worst, on the safe side), pinned host exact (the offloaded blocks' inputs and the
+    attention layers' kept outputs: DeltaNet blocks keep none)."""
+    k = plan.FITTED
+    for kind, tokens, offloaded, step_s, peak, host in q35_runs():
+        s = q35_shape(tokens, **({} if kind == "lora" else dict(lora_rank=0, param_bytes=2, stochastic_rounding=True)))
+        lv = plan.Levers(offloaded, s.layers)
+        c = plan.predict(s, lv)
+        if (kind, tokens) == ("lora", 131072):  # the fit: what the constants were read from
+            rest = replace(k, deltanet_s_per_mtoken_layer=0.0, deltanet_work_bytes_per_token=0.0)
+            per = (step_s - plan.step_seconds(s, lv, rest)) / (24 * tokens / 1e6)
+            work = (peak * 2**30 - plan.gpu_bytes(s, lv, rest) + k.work_bytes_per_token_hidden * s.hidden * tokens)
+            assert per == pytest.approx(k.deltanet_s_per_mtoken_layer, rel=2e-3)
+            assert work / tokens == pytest.approx(k.deltanet_work_bytes_per_token, rel=2e-3)
+        assert abs(c.step_s / step_s - 1) < 0.05, (kind, tokens, c.step_s, step_s)
+        assert abs(c.gpu_gib / peak - 1) < 0.09, (kind, tokens, c.gpu_gib, peak)
+        assert c.host_gib == pytest.approx(host, rel=1e-3), (kind, tokens, c.host_gib, host)
+
+
+def test_qwen3_5_no_fit_never_suggests_qlora():
+    """At 524,288 tokens on one H200 no plan fits; the hint names a length that does and no --quantize nf4
+    (Qwen3.5 has no QLoRA)."""
+    with pytest.raises(plan.NoFit) as e:
+        plan.choose(q35_shape(524288), 139.7, 126)
+    assert "--seq_len 262144" in str(e.value) and "nf4" not in str(e.value)
+    with pytest.raises(plan.NoFit) as e:
+        plan.choose(q35_shape(524288, lora_rank=0, param_bytes=2, stochastic_rounding=True), 139.7, 126)
+    assert "--lora_rank 16" in str(e.value) and "nf4" not in str(e.value)

@@ -384,7 +384,7 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
         if why and cfg.deltanet_kernel == "fla":
             raise SharedError(f"error: --deltanet_kernel fla: {why}; pass --deltanet_kernel torch")
         kernel, slow = ("torch", why) if why else (kernel, None)
-    elif cfg.device == "cuda":
+    elif cfg.device == "cuda" and cfg.deltanet_kernel == "auto":  # (asked for by name: no warning)
         slow = f"fla: {deltanet.fla_unavailable()}; pip install fla-core triton>=3.7.1 for its GPU kernels"
     if slow:
         import warnings

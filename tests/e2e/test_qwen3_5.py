@@ -71,3 +71,26 @@ def test_packed_documents_with_lora_at_cp_1_and_2(tmp_path):
     same_steps(cp1, cp2)
     assert all(r["docs"] > 3 for r in cp1), [r["docs"] for r in cp1]
     assert_loads_in_transformers(str(tmp_path / "merged"))
+
+
+def test_fit_auto_plans_qwen3_5(tmp_path):
+    """--fit auto on a Qwen3.5 (capacities given, on CPU): train.py prints the plan plan.py makes for the hybrid
+    and trains with its levers; the offloaded blocks hold on the host what plan.host_bytes counts."""
+    from million import plan
+    from million.qwen3_5 import read_config
+    from .test_plan import run_train
+    folder = qwen3_5_folder(tmp_path)
+    s = plan.Shape.of(read_config(folder), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512)  # as run_train runs
+    assert s.attn_layers == 1 and s.dn[:4] == (2, 4, 12, 10)
+    gpu = plan.predict(s, plan.Levers(2, 4)).gpu_gib / plan.GPU_MARGIN * 1.0001  # fits with 2 of 4 blocks offloaded
+    lv, cost = plan.choose(s, gpu, 100)
+    assert lv.offload_layers >= 2  # (offloading costs no predicted time here: the lowest peak wins)
+    p = run_train(tmp_path, "--model", folder, "--gpu_mem_gib", f"{gpu:.6f}", "--host_mem_gib", "100")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "fit: " in p.stdout and plan.describe(lv, cost, s).split(" -> ")[0] in p.stdout, p.stdout
+    cfg = json.load(open(tmp_path / "run" / "train_config.json"))
+    assert cfg["offload_layers"] == lv.offload_layers and cfg["keep_attention_layers"] == lv.keep_attention_layers
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    # what the offloaded blocks hold on the host (unpinned on a CPU): every block's input, and the attention
+    # layer's output and lse, not the DeltaNet layers'
+    assert rows[-1]["host_pinned_gib"] * 2**30 == plan.host_bytes(s, lv, pinned=False)

@@ -89,6 +89,8 @@ class TrainConfig:
     tiled_mlp: bool = flag(True, "compute the MLP in sequence tiles of mlp_tile rows")
     # 16384: the largest tile that does not raise the step's peak memory (bench/NOTES.md, mlp_tile)
     mlp_tile: int = flag(16384, "rows per MLP tile")
+    deltanet_tile: int = flag(0, "Qwen3.5, one device (cp 1): each DeltaNet layer over pieces of N tokens, each "
+                              "recomputed in the backward, which then holds one piece's intermediates (0 = whole)")
     # 2048: a few % slower than 4096 for less memory (bench/NOTES.md, config.py)
     loss_chunk: int = flag(2048, "rows of the chunked loss")
     peak_tflops: float = flag(989.0, "per GPU, dense bf16 (H100/H200 SXM), for MFU")
@@ -242,11 +244,14 @@ def check_config(cfg: TrainConfig, world: int):
          "or leave it 0")
     need(cfg.attn_backend in ("auto", "fa4", "cudnn", "flash"),
          f"--attn_backend {cfg.attn_backend}: use auto, fa4, cudnn or flash")
+    need(cfg.deltanet_tile >= 0, f"--deltanet_tile {cfg.deltanet_tile}: tokens per piece, >= 0 (0 = off)")
     need(cfg.deltanet_kernel in ("auto", "fla", "torch"),
          f"--deltanet_kernel {cfg.deltanet_kernel}: use auto, fla or torch")
     need(cfg.cp >= 0, f"--cp {cfg.cp}: must be >= 1 (or 0 for the world size)")
     cp = context_parallel(cfg, world)
     need(world % cp == 0, f"--cp {cp} does not divide the world size {world}; data parallel = world / cp")
+    need(not cfg.deltanet_tile or cp == 1, f"--deltanet_tile {cfg.deltanet_tile} needs --cp 1 (one device a "
+         "sequence): under context parallelism the DeltaNet state comes from the ranks' span summaries")
     need(cfg.seq_len > 0 and cfg.seq_len % (2 * cp) == 0,
          f"--seq_len {cfg.seq_len} must be a positive multiple of 2*cp = {2 * cp} (zigzag sharding cuts the "
          f"sequence into 2*cp equal chunks); e.g. --seq_len {max(2 * cp, cfg.seq_len // (2 * cp) * 2 * cp)}")

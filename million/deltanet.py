@@ -154,6 +154,12 @@ def disagreement(rule, heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2
             f"{err:.2g} in {where} (tolerance {tol:g})")
 
 
+def causal_conv(x, weight):
+    """Depthwise conv over x [B, K - 1 + t, C] whose first K - 1 rows are the history -> [B, t, C] in weight's
+    dtype (before the activation); weight [C, 1, K]."""
+    return F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, groups=weight.shape[0]).transpose(1, 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Where this rank's tokens lie in the window
 # ---------------------------------------------------------------------------------------------
@@ -218,15 +224,18 @@ class DeltaNetMixer:
     def __init__(self, group=None, layout=None, kernel="torch"):
         self.group, self.layout = group, layout
         self.kernel = kernel  # "torch" or "fla" (resolve_kernel's answer)
-        self._rule = fla_chunk_gated_delta_rule if kernel == "fla" else chunk_gated_delta_rule
+        self.span_rule = fla_chunk_gated_delta_rule if kernel == "fla" else chunk_gated_delta_rule  # one span
 
     def dtype(self, model_dtype):
         """The dtype q, k, v and beta go to the rule in: fla's kernels take the model's (they accumulate in fp32),
         the torch rule fp32 or wider."""
         return model_dtype if self.kernel == "fla" else torch.promote_types(model_dtype, torch.float32)
 
+    def world(self):
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
     def _where(self, t, doc_lens):
-        world = 1 if self.group is None else dist.get_world_size(self.group)
+        world = self.world()
         rank = 0 if world == 1 else dist.get_rank(self.group)
         docs = None if doc_lens is None else tuple(int(n) for n in doc_lens)
         layout = None
@@ -254,8 +263,7 @@ class DeltaNetMixer:
                 if world > 1 and s0 == l0 and j > 0:  # the halo, kept where it lies in the same document
                     keep = torch.arange(j * c - K + 1, j * c, device=x.device) >= d
                     prefix = tail_of[j - 1] * keep[:, None].to(x.dtype)    # used even if all masked: see _AllGather
-                seg = torch.cat([prefix, x[:, s0:s1]], 1).transpose(1, 2).to(weight.dtype)  # [B, C, K-1+len]
-                out.append(F.conv1d(seg, weight, groups=weight.shape[0]).transpose(1, 2))
+                out.append(causal_conv(torch.cat([prefix, x[:, s0:s1]], 1), weight))
         return torch.cat(out, 1).to(x.dtype)
 
     def rule(self, q, k, v, g, beta, doc_lens=None):
@@ -275,14 +283,14 @@ class DeltaNetMixer:
             for s0, s1 in segments:
                 part = [x[:, :, s0:s1] for x in (q, k, v, g, beta)]
                 if world == 1 or s0 != l0:  # one device, or a segment that begins a document: from zero
-                    o, state = self._rule(*part, final=world > 1)  # a summary needs the last state
+                    o, state = self.span_rule(*part, final=world > 1)  # a summary needs the last state
                     out.append(o)
                     continue
                 # every rank's first segments run this way, even from a document's start (then S is multiplied by
                 # 0): each rank then uses the gathered summaries, as _AllGather needs
                 eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(B, H, dk, dk)
                 part[2] = F.pad(part[2], (0, dk))                                 # v -> [v | 0]
-                o, state = self._rule(*part, F.pad(eye, (dv, 0)))                # state [B, H, dk, dv + dk]
+                o, state = self.span_rule(*part, F.pad(eye, (dv, 0)))            # state [B, H, dk, dv + dk]
                 out.append(o[..., :dv])
                 pending.append((len(out) - 1, j, o[..., dv:], carried))          # A [B, H, len, dk]
                 M = state[..., dv:]

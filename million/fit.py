@@ -26,7 +26,7 @@ def levers(cfg, layers: int) -> plan.Levers:
     def count(on, n):
         return 0 if not on else layers if n < 0 else min(n, layers)
     return plan.Levers(count(cfg.offload, cfg.offload_layers), count(cfg.keep_attention, cfg.keep_attention_layers),
-                       cfg.tiled_mlp, cfg.mlp_tile, count(True, cfg.keep_mlp_layers))
+                       cfg.tiled_mlp, cfg.mlp_tile, count(True, cfg.keep_mlp_layers), cfg.deltanet_tile)
 
 
 def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
@@ -54,6 +54,8 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
         fixed.update(tiled_mlp=cfg.tiled_mlp, mlp_tile=cfg.mlp_tile)
     if "keep_mlp_layers" in given:
         fixed["keep_mlp_layers"] = lv.keep_mlp_layers
+    if "deltanet_tile" in given:
+        fixed["deltanet_tile"] = lv.deltanet_tile
     if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib):
         why = "--fit off" if cfg.fit == "off" else "no recompute" if not cfg.recompute else "CPU"
         return log(f"fit: levers as given ({why})")
@@ -79,6 +81,7 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
     cfg.offload, cfg.offload_layers = lv.offload_layers > 0, lv.offload_layers
     cfg.keep_attention, cfg.keep_attention_layers = lv.keep_attention_layers > 0, lv.keep_attention_layers
     cfg.tiled_mlp, cfg.mlp_tile, cfg.keep_mlp_layers = lv.tiled_mlp, lv.mlp_tile, lv.keep_mlp_layers
+    cfg.deltanet_tile = lv.deltanet_tile
     log(f"fit: {caps[0].item():.1f} GiB GPU per rank, {caps[1].item():.0f} GiB host per node -> "
         + plan.describe(lv, cost, shape) + (f" (given: {', '.join(sorted(fixed))})" if fixed else ""))
 

@@ -87,6 +87,7 @@ TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the l
 ADAPTER_RECOMPUTE = 0.3 / 1.3  # the recompute's forward's share of an adapter's time (adapter_ps_per_token_width)
 NF4_BYTES = 0.5 + 1 / 64 + 2 / (64 * 256)  # torchao's NF4: 4 bits, an int8 absmax per 64, a bf16 factor per 256 of them
 LORA_HINT_RANK = 16  # the rank --fit auto suggests when only LoRA would fit
+DELTANET_TILE = 16384  # the pieces --fit auto cuts Qwen3.5's DeltaNet layers into when nothing fits whole
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,7 @@ class Levers:
     tiled_mlp: bool = True
     mlp_tile: int = 16384
     keep_mlp_layers: int = 0     # LoRA: blocks (the last ones) that keep gate's and up's outputs on the GPU
+    deltanet_tile: int = 0       # Qwen3.5 at cp 1: tokens per piece of each DeltaNet layer (0: the whole sequence)
 
 
 @dataclass(frozen=True)
@@ -340,8 +342,11 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
         state += frozen_bytes(s)
         loss -= 4 * s.vocab * s.hidden                            # a frozen head has no gradient
     work = k.work_bytes_per_token_hidden * s.hidden * s.tokens
-    if s.dn[0]:  # one block at a time: the larger of the two kinds' working sets
-        work = max(work, k.deltanet_work_bytes_per_token * s.tokens)
+    if s.dn[0]:  # one block at a time: the larger of the two kinds' working sets; in pieces (deltanet_tile), a
+        # piece's, beside the pieces' outputs and their concatenation (predicted, not measured)
+        tile = min(lv.deltanet_tile or s.tokens, s.tokens)
+        pieces = 2 * s.tokens * s.hidden * s.act_bytes if tile < s.tokens else 0
+        work = max(work, k.deltanet_work_bytes_per_token * tile + pieces)
     if s.cp > 1:
         work += k.ring_bytes_per_token_qdim * s.heads * s.head_dim * s.tokens
     on_gpu = ((s.layers - lv.offload_layers) * x + max(s.attn_in(lv.keep_attention_layers) - s.attn_in(lv.offload_layers),
@@ -401,7 +406,17 @@ def step_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     return (attention_flops(s, lv) / attn_rate(s, k)
             + gemm_flops(s, lv) / (k.gemm_tflops * 1e12)
             + k.other_s_per_mtoken_layer * s.layers * s.tokens / 1e6 + k.sr_s_per_gparam * sr_gparams(s)
-            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6 + adapter_seconds(s, lv, k) + deltanet_seconds(s, k))
+            + k.moe_s_per_mslot_layer * routed_slots(s) / 1e6 + adapter_seconds(s, lv, k) + deltanet_seconds(s, k)
+            + tiled_deltanet_seconds(s, lv, k))
+
+
+def tiled_deltanet_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
+    """What deltanet_tile adds: each DeltaNet layer's forward once more (its projections' GEMMs, and a quarter of
+    the rule's and conv's forward, recompute and backward). Predicted, not measured."""
+    if not (s.dn[0] and lv.deltanet_tile and lv.deltanet_tile < s.tokens):
+        return 0.0
+    gemm = 2 * s.tokens * (s.layers - s.attn_layers) * s.deltanet_matmul_params / (k.gemm_tflops * 1e12)
+    return gemm + deltanet_seconds(s, k) / 4
 
 
 def deltanet_seconds(s: Shape, k: Constants = FITTED) -> float:
@@ -450,11 +465,16 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
     fixed = fixed or {}
     gpu_cap, host_cap = GPU_MARGIN * gpu_gib * 2**30, HOST_MARGIN * host_gib_per_node * 2**30 / s.ranks_per_node
     base = Levers(s.layers, s.layers, fixed.get("tiled_mlp", True), fixed.get("mlp_tile", 16384),
-                  fixed.get("keep_mlp_layers", 0))
+                  fixed.get("keep_mlp_layers", 0), fixed.get("deltanet_tile", 0))
     keeps = [fixed["keep_attention_layers"]] if "keep_attention_layers" in fixed else range(s.layers, -1, -1)
     offs = [fixed["offload_layers"]] if "offload_layers" in fixed else range(0, s.layers + 1)
-    fits = [lv for lv in (replace(base, offload_layers=off, keep_attention_layers=keep) for keep in keeps
-                          for off in offs) if gpu_bytes(s, lv, k) <= gpu_cap and host_bytes(s, lv) <= host_cap]
+    # Qwen3.5 at cp 1: DeltaNet layers in pieces of DELTANET_TILE tokens, where nothing fits without them
+    tiles = [base.deltanet_tile] if "deltanet_tile" in fixed or not s.dn[0] or s.cp > 1 else [0, DELTANET_TILE]
+    fits = []
+    for tile in tiles:
+        fits = fits or [lv for lv in (replace(base, offload_layers=off, keep_attention_layers=keep, deltanet_tile=tile)
+                                      for keep in keeps for off in offs)
+                        if gpu_bytes(s, lv, k) <= gpu_cap and host_bytes(s, lv) <= host_cap]
     if fits:
         fastest = min(step_seconds(s, lv, k) for lv in fits)
         near = [lv for lv in fits if step_seconds(s, lv, k) <= fastest * (1 + TIME_SLACK)]
@@ -471,7 +491,7 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
             if step_seconds(s, kept, k) < step_seconds(s, best, k) * (1 - TIME_SLACK):
                 best = kept
         return best, predict(s, best, k)
-    nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1])
+    nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1], deltanet_tile=tiles[-1])
     c = predict(s, nearest, k)
     def fits_with(x: Shape):
         return gpu_bytes(x, nearest, k) <= gpu_cap and host_bytes(x, nearest) <= host_cap
@@ -507,6 +527,7 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
 
 def describe(lv: Levers, c: Cost, s: Shape) -> str:
     mlp = f", keep_mlp_layers {lv.keep_mlp_layers}/{s.layers}" if s.lora_rank else ""
+    mlp += f", deltanet_tile {lv.deltanet_tile}" if lv.deltanet_tile else ""
     return (f"offload_layers {lv.offload_layers}/{s.layers}, keep_attention_layers {lv.keep_attention_layers}/"
             f"{s.layers}{mlp}, tiled_mlp {lv.tiled_mlp} -> predicted {c.step_s:.1f} s/step, {c.gpu_gib:.1f} GiB GPU "
             f"per rank, {c.host_gib:.1f} GiB pinned host per rank ({c.host_gib * s.ranks_per_node:.0f} GiB per node)")

@@ -14,6 +14,7 @@ other weights (vision tower, MTP head) pass through a save unchanged.
 """
 import dataclasses
 import functools
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -23,12 +24,13 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from loss import chunked_nll
 from model import Block as Qwen3Block
 from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
 from million import deltanet
-from million.deltanet import DeltaNetMixer, l2norm, resolve_kernel
+from million.deltanet import DeltaNetMixer, causal_conv, l2norm, resolve_kernel
 from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -225,14 +227,22 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.nv * self.dv, cfg.hidden_size, bias=False)
+        self.tile = 0  # the lever deltanet_tile: tokens per piece (0: the whole sequence at once)
 
     def forward(self, x, mixer, doc_lens=None):
         """x [B, T, H] -> [B, T, H]; mixer: deltanet.DeltaNetMixer (one device or a cp group)."""
+        if self.tile and x.shape[1] > self.tile:
+            return self._tiled(x, mixer, doc_lens)
+        qkv = mixer.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_lens)                 # [B, T, conv_dim]
+        o = mixer.rule(*self._rule_inputs(x, qkv, mixer), doc_lens)                         # [B, nv, T, dv]
+        return self._output(x, o)
+
+    def _rule_inputs(self, x, qkv, mixer):
+        """The conv's output (before SiLU) -> the rule's q, k [B, nv, T, dk], v [B, nv, T, dv], g, beta [B, nv, T]."""
         B, T, _ = x.shape
         wide = torch.promote_types(x.dtype, torch.float32)  # the norms and the decay in fp32 (or wider)
         acc = mixer.dtype(x.dtype)                          # what the rule takes: fp32 on torch, bf16 on fla
-        qkv = F.silu(mixer.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_lens))          # [B, T, conv_dim]
-        q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
+        q, k, v = F.silu(qkv).split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
         heads = self.nv // self.nk
 
         def per_value_head(t):  # [B, T, nk * dk] -> [B, nv, T, dk], normalised, in acc
@@ -243,9 +253,44 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, T, self.nv, self.dv).transpose(1, 2).to(acc)                         # [B, nv, T, dv]
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)  # [B, T, nv] log decay
         beta = self.in_proj_b(x).sigmoid().to(acc)                                            # [B, T, nv]
-        o = mixer.rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), doc_lens)           # [B, nv, T, dv]
+        return q, k, v, g.transpose(1, 2), beta.transpose(1, 2)
+
+    def _output(self, x, o):
+        """The rule's output o [B, nv, T, dv] -> the gated norm with z, out_proj -> [B, T, H]."""
+        B, T, _ = x.shape
         o = self.norm(o.transpose(1, 2).to(x.dtype), self.in_proj_z(x).view(B, T, self.nv, self.dv))
         return self.out_proj(o.reshape(B, T, self.nv * self.dv))
+
+    def _tiled(self, x, mixer, doc_lens):
+        """The lever deltanet_tile (one device): the layer over pieces of at most `tile` tokens, each under
+        activation checkpointing, the state and the conv's last K - 1 inputs carried from piece to piece and reset
+        at each document's start. The backward then holds one piece's intermediates (about 318 KB a token at the
+        9B shape) instead of the sequence's; the cost is one more forward of the layer. The same function as
+        forward (tests/test_qwen3_5.py)."""
+        if mixer.world() > 1:
+            raise ValueError("deltanet_tile needs one device (cp 1): under context parallelism the state comes "
+                             "from the ranks' span summaries")
+        T = x.shape[1]
+        starts = {0} if doc_lens is None else set(itertools.accumulate([0, *map(int, doc_lens)][:-1]))
+        cuts = sorted(starts | set(range(0, T, self.tile))) + [T]
+        out, state, tail = [], None, None
+        for a, b in zip(cuts, cuts[1:]):
+            if a in starts:
+                state, tail = None, None
+            y, state, tail = checkpoint(self._piece, x[:, a:b], mixer, state, tail, use_reentrant=False)
+            out.append(y)
+        return torch.cat(out, 1)
+
+    def _piece(self, x, mixer, state, tail):
+        """One piece of _tiled: x [B, t, H], the state before it (None: zeros), the K - 1 conv inputs before it
+        (None: a document's start) -> (y [B, t, H], the state after it, its last K - 1 conv inputs)."""
+        qkv = self.in_proj_qkv(x)
+        if tail is None:
+            tail = qkv.new_zeros(qkv.shape[0], self.conv1d.weight.shape[-1] - 1, qkv.shape[2])
+        qkv = torch.cat([tail, qkv], 1)
+        o, state = mixer.span_rule(*self._rule_inputs(x, causal_conv(qkv, self.conv1d.weight).to(x.dtype), mixer),
+                                   state, final=True)
+        return self._output(x, o), state, qkv[:, qkv.shape[1] - tail.shape[1]:]
 
 
 class Block(nn.Module):
@@ -392,7 +437,11 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
         import warnings
         warnings.warn(f"the DeltaNet layers run on the torch rule, a Python loop over 64-token chunks ({slow})",
                       stacklevel=2)
-    return Qwen3_5(mcfg, attn_fn, DeltaNetMixer(cp_group, layout=layout, kernel=kernel))
+    model = Qwen3_5(mcfg, attn_fn, DeltaNetMixer(cp_group, layout=layout, kernel=kernel))
+    for block in model.layers:
+        if block.linear:
+            block.linear_attn.tile = getattr(cfg, "deltanet_tile", 0)
+    return model
 
 
 # --- HF checkpoints ------------------------------------------------------------------------------

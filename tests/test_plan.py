@@ -372,11 +372,27 @@ def test_qwen3_5_steps_are_predicted():
 
 
 def test_qwen3_5_no_fit_never_suggests_qlora():
-    """At 524,288 tokens on one H200 no plan fits; the hint names a length that does and no --quantize nf4
-    (Qwen3.5 has no QLoRA)."""
+    """Where no plan fits on one H200, the hint names a length that does and no --quantize nf4 (Qwen3.5 has no
+    QLoRA)."""
     with pytest.raises(plan.NoFit) as e:
-        plan.choose(q35_shape(524288), 139.7, 126)
-    assert "--seq_len 262144" in str(e.value) and "nf4" not in str(e.value)
+        plan.choose(q35_shape(786432), 139.7, 126)
+    assert "--seq_len 393216" in str(e.value) and "nf4" not in str(e.value)
     with pytest.raises(plan.NoFit) as e:
         plan.choose(q35_shape(524288, lora_rank=0, param_bytes=2, stochastic_rounding=True), 139.7, 126)
     assert "--lora_rank 16" in str(e.value) and "nf4" not in str(e.value)
+
+
+def test_qwen3_5_deltanet_pieces_only_where_nothing_fits_whole():
+    """--fit auto cuts the DeltaNet layers into pieces (deltanet_tile) only where no plan fits without: not at
+    131,072 tokens on one H200, at 524,288 (which then fits, by prediction), never under context parallelism;
+    the pieces lower the DeltaNet working set to a piece's and cost one more forward of the layer."""
+    assert plan.choose(q35_shape(131072), 139.7, 126)[0].deltanet_tile == 0
+    lv, c = plan.choose(q35_shape(524288), 139.7, 126)
+    assert lv.deltanet_tile == plan.DELTANET_TILE and c.gpu_gib <= plan.GPU_MARGIN * 139.7
+    whole = replace(lv, deltanet_tile=0)
+    s = q35_shape(524288)
+    assert plan.gpu_bytes(s, whole) - plan.gpu_bytes(s, lv) > 50 * 2**30
+    assert plan.step_seconds(s, lv) - plan.step_seconds(s, whole) == pytest.approx(
+        plan.tiled_deltanet_seconds(s, lv), rel=1e-12) and plan.tiled_deltanet_seconds(s, lv) > 0
+    cp2 = replace(s, cp=2, world=2, ranks_per_node=2)
+    assert plan.choose(cp2, 139.7, 252)[0].deltanet_tile == 0

@@ -5,6 +5,7 @@ gloo, one spawn per world size) and with packed documents; the HF round trip.
     python -m pytest tests/test_qwen3_5.py -q -p no:xdist
 """
 import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -319,6 +320,41 @@ def test_levers_keep_values_and_gradients(levers, group_of_one, plain_run, monke
         n = levers.get("offload_layers", 4)
         x, out, lse = 2 * T * 48, 2 * 5 * T * 16, 2 * 5 * T  # per block: its input; attention's out and lse
         assert model.layers[0].offload.host_bytes() == 8 * (n * x + (out + lse if kept and n == 4 else 0))
+
+
+@pytest.mark.parametrize("tile, docs, levers", [(50, None, dict(recompute=True)), (50, DOCS, dict(offload=True)),
+                                               (2, DOCS, dict(recompute=False)), (37, DOCS, dict(recompute=True))])
+def test_deltanet_tile_keeps_values_and_gradients(tile, docs, levers):
+    """fp64: the lever deltanet_tile (each DeltaNet layer over pieces of `tile` tokens under checkpointing, the
+    state and the conv's history carried, reset at document starts) gives the whole-sequence hidden states and
+    every gradient within 1e-12: pieces shorter than the conv's 3-token history (tile 2), pieces cut by document
+    starts, inside the core's recompute and offload and without them. Each piece runs its layer twice (forward,
+    then again in the backward)."""
+    ids, labels, pos = doc_inputs()
+    want_model = make_model(torch.float64, attn_fn=documents.masked_attention).set_levers(**levers)
+    want = run(want_model, ids, labels, pos if docs else None, docs)
+    model = make_model(torch.float64, attn_fn=documents.masked_attention).set_levers(**levers)
+    calls = []
+    for block in model.layers:
+        if block.linear:
+            block.linear_attn.tile = tile
+            piece = block.linear_attn._piece
+            block.linear_attn._piece = lambda *a, piece=piece: calls.append(a[0].shape[1]) or piece(*a)
+    got = run(model, ids, labels, pos if docs else None, docs)
+    torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=1e-12)
+    assert_grads_close(grads(model), grads(want_model), f"tile {tile}", tol=1e-12)
+    passes = 3 if levers.get("recompute", True) else 2  # the core's recompute runs the layer once more
+    cuts = sorted({0, *range(0, T, tile), *(itertools.accumulate([0, *docs[:-1]]) if docs else ())}) + [T]
+    assert sorted(calls) == sorted(b - a for a, b in zip(cuts, cuts[1:]) for _ in range(3 * passes))
+
+
+def test_deltanet_tile_refuses_context_parallelism(group_of_one, monkeypatch):
+    layer = make_model(torch.float64).layers[0].linear_attn
+    layer.tile = 8
+    mixer = DeltaNetMixer(group_of_one)
+    monkeypatch.setattr(mixer, "world", lambda: 2)
+    with pytest.raises(ValueError, match="deltanet_tile needs one device"):
+        layer(torch.zeros(1, 16, 48, dtype=torch.float64), mixer)
 
 
 # --- LoRA ----------------------------------------------------------------------------------------

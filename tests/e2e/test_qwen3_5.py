@@ -94,3 +94,17 @@ def test_fit_auto_plans_qwen3_5(tmp_path):
     # what the offloaded blocks hold on the host (unpinned on a CPU): every block's input, and the attention
     # layer's output and lse, not the DeltaNet layers'
     assert rows[-1]["host_pinned_gib"] * 2**30 == plan.host_bytes(s, lv, pinned=False)
+
+
+def test_deltanet_tile_trains_the_same_steps(tmp_path):
+    """--deltanet_tile 100 (pieces of 100 tokens of the 264-token sequence, under checkpointing) gives the whole
+    layer's losses and grad norms; with --cp 2 it is refused in one line."""
+    model = qwen3_5_folder(tmp_path)
+    whole = run(tmp_path, 1, "--model", model, "--cp", "1")
+    pieces = run(tmp_path, 1, "--model", model, "--cp", "1", "--deltanet_tile", "100")
+    same_steps(whole, pieces)
+    p, _ = run(tmp_path, 2, "--model", model, "--cp", "2", "--deltanet_tile", "100", check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode != 0 and errors == ["error: --deltanet_tile 100 needs --cp 1 (one device a sequence): under "
+                                            "context parallelism the DeltaNet state comes from the ranks' span "
+                                            "summaries"], p.stderr[-2000:]

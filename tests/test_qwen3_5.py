@@ -392,6 +392,33 @@ def test_lora_matches_peft(levers, group_of_one, tmp_path):
         assert rel(p.grad, theirs[peft_name(n)].grad) < 2e-4, (n, rel(p.grad, theirs[peft_name(n)].grad))
 
 
+def test_the_adapter_folder_loads_in_peft(tmp_path):
+    """lora.save's PEFT folder for a Qwen3.5 (adapters on all twelve projection kinds, random A and B) loads with
+    peft.PeftModel.from_pretrained over transformers' Qwen3_5ForCausalLM of the base and gives our logits (fp32,
+    within 1e-5); the merged export loads alone with the same."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    from million import lora
+    from test_lora import adapted
+    base = make_model(torch.float32)
+    save_pretrained(base, str(tmp_path / "base"))
+    m = adapted(make_model(torch.float32), lora.TARGETS)
+    sd = m.state_dict()
+    lora.save(str(tmp_path / "adapter"), m, sd, str(tmp_path / "base"))
+    lora.save(str(tmp_path / "merged"), m, sd, str(tmp_path / "base"), merge=True)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == sorted(
+        lora.TARGETS)
+    ids, _ = inputs(batch=1, t=150)
+    with torch.no_grad():
+        want = m.logits(ids)
+        assert (want - base.logits(ids)).abs().max() > 1e-3  # the adapters change the logits
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+        pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))
+        torch.testing.assert_close(pm(ids).logits, want, rtol=1e-5, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
 # --- packed documents on one device -----------------------------------------------------------------
 
 def test_documents_equal_separate_runs():

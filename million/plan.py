@@ -17,6 +17,11 @@ Levers per block: the first `offload_layers` blocks keep their tensors in pinned
 `keep_attention_layers` keep attention's output + lse (so their backward skips attention's forward); with LoRA,
 the last `keep_mlp_layers` keep their MLP's gate and up outputs on the GPU (so their backward skips those GEMMs).
 
+Qwen3.5 (qwen3_5.py): attention FLOPs and kept attention outputs in its attention layers only (their rate by
+head_dim, 256 measured apart), the gated q_proj and the DeltaNet projections in the GEMMs and LoRA counts, and two
+constants for the DeltaNet layers read off one measured run (their rule's time per token, their block's working
+set per token); with deltanet_tile the working set is a piece's, for one more forward (predicted, not measured).
+
 The FLOPs of a step are written here once: train.py's MFU counts useful_flops, the cost model the same pieces
 with the work the GPU really does (see useful_flops).
 
@@ -155,6 +160,10 @@ class Shape:
     def attn_layers(self):  # layers of (causal softmax) attention
         return len(self.attention_at) if self.dn[0] else self.layers
 
+    @property
+    def deltanet_layers(self):  # Qwen3.5's Gated DeltaNet layers: the others
+        return self.layers - self.attn_layers
+
     def attn_in(self, n: int) -> int:
         """Attention layers among the first n blocks (the levers count blocks; only these keep attention)."""
         return sum(i < n for i in self.attention_at) if self.dn[0] else min(n, self.layers)
@@ -180,7 +189,7 @@ class Shape:
     def blocks_matmul_params(self):  # every block's projections and MLP a token meets (in MoE: its top_k experts)
         dense = self.layers - self.sparse_layers
         return (self.attn_layers * self.attention_matmul_params + dense * 3 * self.hidden * self.intermediate
-                + (self.layers - self.attn_layers) * self.deltanet_matmul_params
+                + self.deltanet_layers * self.deltanet_matmul_params
                 + self.sparse_layers * self.moe_active_params)
 
     def _params(self, moe):
@@ -188,7 +197,7 @@ class Shape:
         norms = 2 * self.hidden + 2 * self.head_dim  # the two RMSNorms and the QK-norms
         # a DeltaNet block: its two RMSNorms, the conv's weights, A_log and dt_bias, the gated norm
         deltanet = self.deltanet_matmul_params + 2 * self.hidden + (2 * nk * dk + nv * dv) * conv + 2 * nv + dv
-        return (self.attn_layers * (self.attention_matmul_params + norms) + (self.layers - self.attn_layers) * deltanet
+        return (self.attn_layers * (self.attention_matmul_params + norms) + self.deltanet_layers * deltanet
                 + dense * 3 * self.hidden * self.intermediate
                 + self.sparse_layers * moe + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden)
 
@@ -212,7 +221,7 @@ class Shape:
         return self.lora_rank * (
             sum(widths.get(t, 0) * (dense if t.endswith(("gate_proj", "up_proj", "down_proj")) else self.attn_layers)
                 for t in self.lora_targets)
-            + sum(deltanet.get(t, 0) * (self.layers - self.attn_layers) for t in self.lora_targets))
+            + sum(deltanet.get(t, 0) * self.deltanet_layers for t in self.lora_targets))
 
     @property
     def trained_params(self):  # what has gradients and AdamW states
@@ -349,9 +358,8 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
         work = max(work, k.deltanet_work_bytes_per_token * tile + pieces)
     if s.cp > 1:
         work += k.ring_bytes_per_token_qdim * s.heads * s.head_dim * s.tokens
-    on_gpu = ((s.layers - lv.offload_layers) * x + max(s.attn_in(lv.keep_attention_layers) - s.attn_in(lv.offload_layers),
-                                                      0) * attn
-              + lv.keep_mlp_layers * kept_mlp_bytes(s))
+    kept_attn = max(s.attn_in(lv.keep_attention_layers) - s.attn_in(lv.offload_layers), 0)  # not offloaded
+    on_gpu = (s.layers - lv.offload_layers) * x + kept_attn * attn + lv.keep_mlp_layers * kept_mlp_bytes(s)
     mlp = 0
     if not lv.tiled_mlp and s.tokens > lv.mlp_tile:  # the four [T, intermediate] tensors whole, not a tile's; for
         # a MoE block the same four [T*top_k, moe_intermediate] and the routed rows and outputs [T*top_k, hidden]
@@ -415,7 +423,7 @@ def tiled_deltanet_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float
     the rule's and conv's forward, recompute and backward). Predicted, not measured."""
     if not (s.dn[0] and lv.deltanet_tile and lv.deltanet_tile < s.tokens):
         return 0.0
-    gemm = 2 * s.tokens * (s.layers - s.attn_layers) * s.deltanet_matmul_params / (k.gemm_tflops * 1e12)
+    gemm = 2 * s.tokens * s.deltanet_layers * s.deltanet_matmul_params / (k.gemm_tflops * 1e12)
     return gemm + deltanet_seconds(s, k) / 4
 
 
@@ -427,7 +435,7 @@ def deltanet_seconds(s: Shape, k: Constants = FITTED) -> float:
     if not nk:
         return 0.0
     wider = (dv + dk) / dv if s.cp > 1 else 1.0
-    return k.deltanet_s_per_mtoken_layer * (s.layers - s.attn_layers) * s.tokens / 1e6 * wider
+    return k.deltanet_s_per_mtoken_layer * s.deltanet_layers * s.tokens / 1e6 * wider
 
 
 def forward_seconds(s: Shape, k: Constants = FITTED) -> float:

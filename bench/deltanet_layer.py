@@ -1,0 +1,149 @@
+"""One Gated DeltaNet layer of Qwen3.5 (million/qwen3_5.py) taken apart and timed, so that the DeltaNet part of a
+step (plan.py's deltanet_s_per_mtoken_layer: 7.4 s of the 9B's 27.5 s LoRA step at 131,072 tokens) has an owner.
+
+    python bench/deltanet_layer.py                         # GPU: the 9B's DeltaNet dims, 131,072 tokens, bf16
+    python bench/deltanet_layer.py --small                 # any machine: tiny dims on the CPU, the code paths
+
+Each part runs forward and backward on its own inputs (random, fixed seed), timed with CUDA events (median of
+--iters after a warm-up), beside its floor: the bytes it must move at --bandwidth (each input read once, each
+output written once, in the dtypes the layer uses) or its FLOPs at --gemm_tflops for the projections. The parts:
+the projections (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj), the causal conv, the elementwise work
+between the conv and the rule (SiLU, L2 norms, repeats, the decay and beta: GatedDeltaNet._rule_inputs), the rule
+(fla, or the torch rule with --kernel torch), and the gated norm (GatedDeltaNet._output without out_proj); then the
+whole layer, whose time less the projections' is what the cost model calls the DeltaNet term. A step runs the
+layer's forward three times over (forward, the recompute's forward, backward at about twice a forward), so the
+per-step share is about the forward + backward column plus one forward. Writes --out as JSON.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from million import deltanet  # noqa: E402
+from million.qwen3_5 import GatedDeltaNet, Qwen3_5Config  # noqa: E402
+
+
+def median_seconds(fn, device, iters, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fwd_bwd(fn, *inputs):
+    """fn's forward and a backward of a random upstream gradient into inputs that require grad."""
+    def run():
+        out = fn(*inputs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = [o for o in outs if o is not None and o.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq_len", type=int, default=131072)
+    ap.add_argument("--kernel", default="auto", choices=deltanet.KERNELS)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (an H200's device-to-device copy)")
+    ap.add_argument("--gemm_tflops", type=float, default=641.3, help="plan.py's fitted GEMM rate")
+    ap.add_argument("--small", action="store_true", help="tiny dims, 512 tokens, on the CPU")
+    ap.add_argument("--out", default=None, help="default bench/results/deltanet_layer.json (_small.json)")
+    a = ap.parse_args()
+    if a.small:
+        cfg, a.seq_len, a.iters, a.kernel = Qwen3_5Config.tiny(), 512, 2, "torch"
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        cfg, device, dtype = Qwen3_5Config(), torch.device("cuda"), torch.bfloat16
+    kernel = deltanet.resolve_kernel(a.kernel)
+    mixer = deltanet.DeltaNetMixer(kernel=kernel)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg).to(device, dtype)
+    for p in layer.parameters():
+        p.requires_grad_(False)  # LoRA-like: the frozen base; gradients flow to the input only
+    with torch.no_grad():
+        layer.A_log.copy_(torch.empty_like(layer.A_log).uniform_(0.01, 16).log())
+        layer.dt_bias.fill_(1.0)
+    B, T, H = 1, a.seq_len, cfg.hidden_size
+    x = (torch.randn(B, T, H, device=device, dtype=dtype) * 0.5).requires_grad_()
+    conv_dim = layer.conv1d.weight.shape[0]
+    nv, dk, dv = layer.nv, layer.dk, layer.dv
+    e = torch.finfo(dtype).bits // 8
+    with torch.no_grad():
+        qkv = layer.in_proj_qkv(x)
+        q, k, v, g, beta = (t.detach() for t in layer._rule_inputs(x, qkv, mixer))
+        o = torch.randn(B, nv, T, dv, device=device, dtype=dtype)
+    rule_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    acc = q.element_size()
+    parts = {
+        # name: (forward, inputs, floor in seconds for forward + backward)
+        # forward 2 T P FLOPs, backward the same (dX only: the base is frozen, as under LoRA)
+        "projections": (lambda x, y: (layer.in_proj_qkv(x), layer.in_proj_z(x), layer.in_proj_a(x),
+                                      layer.in_proj_b(x), layer.out_proj(y)),
+                        [x, o.transpose(1, 2).reshape(B, T, nv * dv).clone().requires_grad_()],
+                        2 * 2 * T * layer_params(layer) / (a.gemm_tflops * 1e12)),
+        "conv": (lambda t: F.conv1d(F.pad(t.transpose(1, 2), (cfg.linear_conv_kernel_dim - 1, 0)),
+                                    layer.conv1d.weight, groups=conv_dim), [qkv.detach().requires_grad_()],
+                 3 * 2 * T * conv_dim * e / a.bandwidth),  # forward: read, write; backward: read dy and x, write dx
+        "rule inputs (SiLU, L2 norms, repeats, g, beta)": (lambda x, t: layer._rule_inputs(x, t, mixer),
+                                                           [x, qkv.detach().requires_grad_()],
+                                                           3 * T * (H + conv_dim) * e / a.bandwidth
+                                                           + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
+        f"rule ({kernel})": (lambda *t: mixer.span_rule(*t, final=False)[0], rule_in,
+                             3 * T * nv * (2 * dk + 2 * dv) * acc / a.bandwidth),
+        "gated norm": (lambda o, x: layer.norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv)),
+                       [o.requires_grad_(), x], 3 * 3 * T * nv * dv * e / a.bandwidth),
+        "the whole layer": (lambda x: layer(x, mixer), [x], None),
+    }
+    rows = []
+    for name, (fn, inputs, floor) in parts.items():
+        with torch.no_grad():
+            fwd = median_seconds(lambda: fn(*inputs), device, a.iters)
+        both = median_seconds(fwd_bwd(fn, *inputs), device, a.iters)
+        rows.append(dict(part=name, fwd_ms=round(fwd * 1e3, 2), fwd_bwd_ms=round(both * 1e3, 2),
+                         floor_ms=None if floor is None else round(floor * 1e3, 2)))
+        print(json.dumps(rows[-1]), flush=True)
+    whole = rows[-1]["fwd_bwd_ms"] + rows[-1]["fwd_ms"]
+    proj = rows[0]["fwd_bwd_ms"] + rows[0]["fwd_ms"]
+    print(f"\n{'part':48} {'fwd ms':>9} {'fwd+bwd ms':>11} {'floor ms':>9}")
+    for r in rows:
+        floor = float("nan") if r["floor_ms"] is None else r["floor_ms"]
+        print(f"{r['part']:48} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} {floor:9.2f}")
+    print(f"a step's share per layer (fwd + bwd + one more fwd), less the projections: {whole - proj:.1f} ms; x 24 "
+          f"layers: {(whole - proj) * 24 / 1e3:.2f} s (the cost model's DeltaNet term at this length: "
+          f"{2.34 * 24 * T / 1e6:.2f} s)")
+    out = a.out or os.path.join(ROOT, "bench", "results", f"deltanet_layer{'_small' if a.small else ''}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", seq_len=T,
+                       kernel=kernel, dtype=str(dtype), rows=rows), fh, indent=1)
+    print(f"wrote {out}")
+
+
+def layer_params(layer) -> int:
+    """The projections' weights: what multiplies each token."""
+    return sum(m.weight.numel() for m in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_a, layer.in_proj_b,
+                                          layer.out_proj))
+
+
+if __name__ == "__main__":
+    main()

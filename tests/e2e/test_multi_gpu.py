@@ -44,3 +44,23 @@ def test_data_parallel_over_nccl_equals_gradient_accumulation(tmp_path):
             assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a, b)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2), (a, b)
     assert one[-1]["loss"] < one[0]["loss"]  # the steps did train
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_qwen3_5_at_cp_2_over_nccl_equals_one_gpu(tmp_path):
+    """A small Qwen3.5 (3 DeltaNet layers, 1 gated attention layer, random init) on the DeltaNet kernels
+    --deltanet_kernel auto picks (fla where it runs): cp 2 over NCCL, where each rank's first chunk runs with the span summaries'
+    extra value columns and the summaries cross the ranks, gives one GPU's losses and grad norms within bf16's
+    bounds."""
+    from transformers import Qwen3_5TextConfig
+    folder = tmp_path / "qwen3_5"
+    Qwen3_5TextConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                      max_position_embeddings=32768).save_pretrained(folder)
+    one = train(tmp_path, 1, "--model", str(folder), "--cp", "1")
+    cp2 = train(tmp_path, 2, "--model", str(folder), "--cp", "2")
+    for a, b in zip(one, cp2, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2), (a, b)
+    assert one[-1]["loss"] < one[0]["loss"]

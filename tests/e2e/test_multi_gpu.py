@@ -49,9 +49,9 @@ def test_data_parallel_over_nccl_equals_gradient_accumulation(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_qwen3_5_at_cp_2_over_nccl_equals_one_gpu(tmp_path):
     """A small Qwen3.5 (3 DeltaNet layers, 1 gated attention layer, random init) on the DeltaNet kernels
-    --deltanet_kernel auto picks (fla where it runs): cp 2 over NCCL, where each rank's first chunk runs with the span summaries'
-    extra value columns and the summaries cross the ranks, gives one GPU's losses and grad norms within bf16's
-    bounds."""
+    --deltanet_kernel auto picks (fla where it runs): cp 2 over NCCL, where each rank's first chunk runs with the
+    span summaries' extra value columns and the summaries cross the ranks, gives one GPU's losses and grad norms
+    within bf16's bounds."""
     from transformers import Qwen3_5TextConfig
     folder = tmp_path / "qwen3_5"
     Qwen3_5TextConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

@@ -425,9 +425,11 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
     if kernel == "fla":  # checked against the torch rule at this model's head dims before it trains anything,
         # at a length that fills the GPU: fla's autotuner keys on the head dims, not the length, so the configs
         # it picks here are the ones the run keeps
-        why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads,
-                                    mcfg.linear_key_head_dim, mcfg.linear_value_head_dim, getattr(torch, cfg.dtype),
-                                    torch.device("cuda", torch.cuda.current_device()), length=16384)
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        with gpu:  # build runs under train.py's meta device: whatever the kernels allocate goes to the GPU
+            why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads,
+                                        mcfg.linear_key_head_dim, mcfg.linear_value_head_dim,
+                                        getattr(torch, cfg.dtype), gpu, length=16384)
         if why and cfg.deltanet_kernel == "fla":
             raise SharedError(f"error: --deltanet_kernel fla: {why}; pass --deltanet_kernel torch")
         kernel, slow = ("torch", why) if why else (kernel, None)

@@ -17,36 +17,16 @@ per-step share is about the forward + backward column plus one forward. Writes -
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from million import deltanet  # noqa: E402
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+from million import deltanet, plan  # noqa: E402
 from million.qwen3_5 import GatedDeltaNet, Qwen3_5Config  # noqa: E402
-
-
-def median_seconds(fn, device, iters, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from ring_sim import median_seconds  # noqa: E402
 
 
 def fwd_bwd(fn, *inputs):
@@ -117,8 +97,8 @@ def main():
     rows = []
     for name, (fn, inputs, floor) in parts.items():
         with torch.no_grad():
-            fwd = median_seconds(lambda: fn(*inputs), device, a.iters)
-        both = median_seconds(fwd_bwd(fn, *inputs), device, a.iters)
+            fwd = median_seconds(lambda: fn(*inputs), device, a.iters, 1)
+        both = median_seconds(fwd_bwd(fn, *inputs), device, a.iters, 1)
         rows.append(dict(part=name, fwd_ms=round(fwd * 1e3, 2), fwd_bwd_ms=round(both * 1e3, 2),
                          floor_ms=None if floor is None else round(floor * 1e3, 2)))
         print(json.dumps(rows[-1]), flush=True)
@@ -128,9 +108,10 @@ def main():
     for r in rows:
         floor = float("nan") if r["floor_ms"] is None else r["floor_ms"]
         print(f"{r['part']:48} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} {floor:9.2f}")
-    print(f"a step's share per layer (fwd + bwd + one more fwd), less the projections: {whole - proj:.1f} ms; x 24 "
-          f"layers: {(whole - proj) * 24 / 1e3:.2f} s (the cost model's DeltaNet term at this length: "
-          f"{2.34 * 24 * T / 1e6:.2f} s)")
+    n = cfg.layer_types.count("linear_attention")
+    print(f"a step's share per layer (fwd + bwd + one more fwd), less the projections: {whole - proj:.1f} ms; x {n} "
+          f"layers: {(whole - proj) * n / 1e3:.2f} s (the cost model's DeltaNet term at this length: "
+          f"{plan.FITTED.deltanet_s_per_mtoken_layer * n * T / 1e6:.2f} s)")
     out = a.out or os.path.join(ROOT, "bench", "results", f"deltanet_layer{'_small' if a.small else ''}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as fh:

@@ -99,12 +99,25 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK, final=True
     return torch.stack(out, 2).reshape(B, H, n * chunk, -1)[:, :, :T], S
 
 
+@functools.cache
+def _fla_rule():
+    """fla's chunk_gated_delta_rule, with one guard. On Hopper the WY backward kernel of the gated rule autotunes
+    over 2 and 4 warps, and Triton miscompiles its ungated twin (same chunk of 64, same [64, 64] gradient) at 4 warps
+    on sm_90: wrong dk and dbeta, which fla fixed there by keeping 2 warps. fla 0.6 did not do the same for the
+    gated kernel, whose dk, dbeta and dg feed dt_bias and A_log; so it keeps 2 warps here too."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, wy_fast
+    tuner = getattr(wy_fast.prepare_wy_repr_bwd_kernel, "fn", None)  # triton.heuristics around the autotuner
+    if torch.cuda.get_device_capability()[0] == 9 and hasattr(tuner, "configs"):
+        tuner.configs = [c for c in tuner.configs if c.num_warps == 2] or tuner.configs
+    return chunk_gated_delta_rule
+
+
 def fla_chunk_gated_delta_rule(q, k, v, g, beta, state=None, final=True):
     """chunk_gated_delta_rule on fla's Triton kernels: the same arguments and results (the state in fp32; None
     when final is False, where the caller drops it), with q, k, v and beta in the model's dtype (bf16:
     transformers passes fla the same), g in fp32. fla takes [B, T, H, d]; the transposes here are a copy each,
     small next to the kernels."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+    fla_rule = _fla_rule()
     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     g, beta = g.transpose(1, 2).float().contiguous(), beta.transpose(1, 2).to(q.dtype).contiguous()
     o, state = fla_rule(q, k, v, g, beta, scale=1.0, initial_state=None if state is None else state.float(),

@@ -211,6 +211,19 @@ def test_fla_kernel_matches_the_torch_rule(B, H, L, dk, dv, state):
     assert max(errors.values()) < 2e-2, errors
 
 
+@pytest.mark.gpu
+def test_fla_keeps_two_warps_for_the_gated_wy_backward_on_hopper():
+    """deltanet._fla_rule drops the 4-warp configs of fla's gated WY backward on sm_90, where Triton miscompiles
+    the ungated twin of that kernel (bench/fla_warps.py times and checks each config)."""
+    from million.deltanet import _fla_rule, fla_unavailable
+    if fla_unavailable():
+        pytest.skip(f"fla: {fla_unavailable()}")
+    _fla_rule()
+    from fla.ops.gated_delta_rule import wy_fast
+    warps = {c.num_warps for c in wy_fast.prepare_wy_repr_bwd_kernel.fn.configs}
+    assert warps == {2} if torch.cuda.get_device_capability()[0] == 9 else 2 in warps
+
+
 def flalike(q, k, v, g, beta, state=None, final=True):
     """The torch rule behind fla's contract (bf16 in and out, the final state only when asked)."""
     o, s = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), state)

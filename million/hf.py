@@ -28,7 +28,8 @@ def refuse_unsupported(d: dict):
     where = d.get("_name_or_path", "config.json")
     if d.get("model_type") not in ("qwen3", "qwen3_moe"):
         raise ValueError(f"{where}: model_type {d.get('model_type')!r} is not supported; supported: 'qwen3' "
-                         "(Qwen3), 'qwen3_moe' (Qwen3-MoE), 'qwen3_5' and 'qwen3_5_text' (Qwen3.5).")
+                         "(Qwen3), 'qwen3_moe' (Qwen3-MoE), 'qwen3_5' and 'qwen3_5_text' (Qwen3.5), 'qwen3_5_moe' and "
+                         "'qwen3_5_moe_text' (Qwen3.5-MoE).")
     experts = d.get("num_experts", d.get("num_local_experts"))
     if d["model_type"] == "qwen3" and experts:
         raise ValueError(f"{where}: num_experts in a 'qwen3' config, which transformers builds dense; a "
@@ -156,11 +157,11 @@ def hf_names(name: str, num_experts: int) -> list[str]:
 
 
 def model_class(cfg: Qwen3Config) -> type:
-    """The model a config builds: moe.Qwen3MoE for a Qwen3MoeConfig, qwen3_5.Qwen3_5 for a Qwen3_5Config, else
-    model.Qwen3."""
+    """The model a config builds: moe.Qwen3MoE for a Qwen3MoeConfig, qwen3_5.Qwen3_5 (or Qwen3_5Moe) for a
+    Qwen3_5Config, else model.Qwen3."""
     if getattr(cfg, "model_type", "") == "qwen3_5":
-        from million.qwen3_5 import Qwen3_5
-        return Qwen3_5
+        from million import qwen3_5
+        return qwen3_5.model_class(cfg)
     return Qwen3MoE if isinstance(cfg, Qwen3MoeConfig) else Qwen3
 
 

@@ -18,7 +18,7 @@ see ordinary modules. The chunked loss skips the head's weight gradient (its wei
 Adapters, named as PEFT names them (layers.N.self_attn.q_proj.lora_A.weight), are initialised as PEFT does (A
 kaiming-uniform with a = sqrt(5), B zero, so that training starts from the base model). The export is a PEFT
 adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). Qwen3-MoE: adapters on attention
-only (the experts' stacked weights have no adapter). Qwen3.5 (qwen3_5.py): its gated attention's projections, its
+only (the experts' stacked weights have no adapter; Qwen3.5-MoE: attention and DeltaNet). Qwen3.5 (qwen3_5.py): its gated attention's projections, its
 Gated DeltaNet layers' (DELTANET) and the MLPs', by the names transformers gives them.
 """
 import importlib.util
@@ -284,15 +284,26 @@ class _GraphStart(torch.autograd.Function):
         return None, None
 
 
+def moe_targets_error(mcfg, targets, quantize: str = "") -> str | None:
+    """A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) has adapters on its attention (and DeltaNet) projections only:
+    the experts' stacked weights have none. One line saying what to pass, or None."""
+    allowed = ATTENTION + (DELTANET if getattr(mcfg, "layer_types", None) else ())
+    if getattr(mcfg, "num_experts", 0) and (set(targets) - set(allowed) or quantize):
+        return (f"LoRA on a mixture of experts adapts {'attention and DeltaNet' if len(allowed) > 4 else 'attention'} "
+                f"projections only (the experts have no adapters), in bf16: pass --lora_targets {','.join(allowed)} "
+                "and no --quantize")
+    return None
+
+
 def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None, quantize: str = ""):
     """Freeze every parameter of model (a Qwen3 or Qwen3.5, on meta or CPU, before FSDP2) in base_dtype (default: as it is)
     and give the projections named in targets (a tuple, or a comma list) adapters of `rank` in the model's dtype;
     alpha 0 means 2 x rank (PEFT's default is 8). quantize "nf4": the blocks' projections become NF4 once
     loaded (`quantize`). -> model."""
     targets = parse_targets(targets) if isinstance(targets, str) else tuple(targets)
-    if getattr(model.cfg, "num_experts", 0) and (set(targets) - set(ATTENTION) or quantize):
-        raise ValueError("LoRA on Qwen3-MoE adapts attention only, in bf16: pass --lora_targets "
-                         f"{','.join(ATTENTION)} and no --quantize")
+    why = moe_targets_error(model.cfg, targets, quantize)
+    if why:
+        raise ValueError(why)
     alpha, nf4 = alpha or 2.0 * rank, quantize == "nf4"
     for p in model.parameters():
         p.requires_grad_(False)

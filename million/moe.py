@@ -4,10 +4,13 @@ expert at load and save: hf_expert_names), and the router's load-balancing loss.
 subclass that plugs them in: its sparse layers get a SparseMoE as their block's MLP (the model's `mlp` argument),
 and the routers' statistics become the auxiliary loss (aux_loss), kept apart from the language-model loss (MoENLL).
 Its gradient reaches the routers through the activations (LoadBalance): the core's blocks carry only y.
+Qwen3.5-MoE (qwen3_5.Qwen3_5Moe) takes the same block with a shared expert beside it (SharedExpertMoE) and the same
+loss (RouterLoss).
 
     python -m pytest tests/test_moe.py -q
 """
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -142,6 +145,25 @@ class SparseMoE(nn.Module):
         return y.view(x.shape), counts, prob_sums
 
 
+class SharedExpertMoE(SparseMoE):
+    """Qwen3.5-MoE's feed-forward block (transformers' Qwen3_5MoeSparseMoeBlock): SparseMoE's routed experts (their
+    top-k weights always renormalised: cfg.norm_topk_prob is True) plus a shared SwiGLU expert that every token
+    passes through, scaled per token by sigmoid(shared_expert_gate(x)). The shared expert is model.py's MLP, tiled
+    with the routed experts (the `tile` lever)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        width = SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=cfg.shared_expert_intermediate_size)
+        self.shared_expert = MLP(width)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x, value_is_read=True):
+        """As SparseMoE.forward. The shared expert's value is always computed: the gate's product reads it."""
+        self.shared_expert.tile = self.tile
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x, value_is_read) + shared
+
+
 class _TiledMoE(torch.autograd.Function):
     """The MoE block over tiles of rows, as model._TiledMLP: each tile routed and computed on its own, forward and
     backward, so that the tokens' routed copies [t*k, H] and the experts' [t*k, moe_intermediate] tensors exist one
@@ -200,19 +222,14 @@ class MoENLL(NLL):
         return self.loss_sum if self.aux_sum is None else self.loss_sum + self.aux_sum
 
 
-class Qwen3MoE(Qwen3):
-    """Qwen3-MoE: a Qwen3 whose sparse layers (Qwen3MoeConfig.sparse) have a SparseMoE as their MLP. With labels,
-    forward returns a MoENLL; with output_router_logits its aux_sum is the load-balancing loss (aux_loss), and
-    out.total() backward gives the gradient of both."""
-
-    def __init__(self, cfg: Qwen3MoeConfig, attn_fn=causal_attention, cp_sum=None):
-        """cp_sum(t): sums a tensor in place over the ranks that hold parts of the same sequences (train.py: an
-        all_reduce over the context-parallel group); None on one device. Only the load-balancing loss uses it."""
-        super().__init__(cfg, attn_fn, mlp=lambda i: SparseMoE(cfg) if cfg.sparse(i) else MLP(cfg))
-        self.cp_sum = cp_sum
+class RouterLoss:
+    """The load-balancing loss around a mixture-of-experts model's forward, placed before the model class in its
+    bases (Qwen3MoE here, qwen3_5.Qwen3_5Moe): the model's forward with labels, then the routers' statistics, which
+    every SparseMoE records into this forward's LoadBalance, become MoENLL's aux_sum. Needs self.cfg (num_experts,
+    output_router_logits, router_aux_loss_coef) and self.cp_sum."""
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_chunk=2048, doc_lens=None):
-        """model.Qwen3.forward; with labels, a MoENLL."""
+        """The model's forward; with labels, a MoENLL."""
         balance = LoadBalance() if labels is not None and self.cfg.output_router_logits else None
         for m in self.modules():
             if isinstance(m, SparseMoE):
@@ -251,6 +268,18 @@ class Qwen3MoE(Qwen3):
         w = (E * C / R**2).to(prob_sums.dtype)                        # [E] d(share) / d(P)
         scale = self.cfg.router_aux_loss_coef * n.to(w.dtype)        # d(aux) / d(share)
         return _LoadBalancingLoss.apply(loss_sum, scale * (w * prob_sums).sum(), balance, w, scale)
+
+
+class Qwen3MoE(RouterLoss, Qwen3):
+    """Qwen3-MoE: a Qwen3 whose sparse layers (Qwen3MoeConfig.sparse) have a SparseMoE as their MLP. With labels,
+    forward returns a MoENLL; with output_router_logits its aux_sum is the load-balancing loss (aux_loss), and
+    out.total() backward gives the gradient of both."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, attn_fn=causal_attention, cp_sum=None):
+        """cp_sum(t): sums a tensor in place over the ranks that hold parts of the same sequences (train.py: an
+        all_reduce over the context-parallel group); None on one device. Only the load-balancing loss uses it."""
+        super().__init__(cfg, attn_fn, mlp=lambda i: SparseMoE(cfg) if cfg.sparse(i) else MLP(cfg))
+        self.cp_sum = cp_sum
 
 
 class LoadBalance:

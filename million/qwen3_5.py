@@ -7,7 +7,8 @@ As model.Qwen3, the model never imports torch.distributed: the attention layers 
 holding the cp group). Text only: with text positions M-RoPE's three sections (t, h, w) carry the same position,
 which is plain RoPE on the rotary part of each head. Also here: the HF config.json (qwen3_5_text, or the
 vision-language qwen3_5 whose text_config is this decoder) and safetensors in and out; a composite checkpoint's
-other weights (vision tower, MTP head) pass through a save unchanged.
+other weights (vision tower, MTP head) pass through a save unchanged. Qwen3.5-MoE (qwen3_5_moe, qwen3_5_moe_text) is
+the same decoder with moe.py's experts and a shared expert in every layer's place of the MLP (Qwen3_5Moe).
 
     python -c "from million.qwen3_5 import *; print(Qwen3_5(Qwen3_5Config.tiny())(torch.zeros(1, 8).long()).shape)"
     python -m pytest tests/test_qwen3_5.py -q
@@ -29,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from loss import chunked_nll
 from model import Block as Qwen3Block
 from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
-from million import deltanet
+from million import deltanet, moe
 from million.deltanet import DeltaNetMixer, causal_conv, l2norm, resolve_kernel
 from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
 
@@ -96,14 +97,13 @@ class Qwen3_5Config:
         """An HF config.json dict: model_type 'qwen3_5_text', or 'qwen3_5' (a vision-language model; its
         text_config is what is trained here)."""
         kind = d.get("model_type")
-        if kind in ("qwen3_5_moe", "qwen3_5_moe_text"):
-            raise ValueError(f"{d.get('_name_or_path', 'config.json')}: model_type {kind!r} (Qwen3.5-MoE) is not "
-                             "supported: qwen3_5.py has dense MLPs only (no sparse MoE blocks for the hybrid); "
-                             "use a dense Qwen3.5 ('qwen3_5', 'qwen3_5_text') or Qwen3-MoE ('qwen3_moe').")
-        if kind not in ("qwen3_5", "qwen3_5_text"):
+        if kind not in KINDS:
             raise ValueError(f"{d.get('_name_or_path', 'config.json')}: model_type {kind!r} is not Qwen3.5; "
-                             "supported: 'qwen3_5' (its text_config) and 'qwen3_5_text'.")
-        t = (d.get("text_config") or {}) if kind == "qwen3_5" else d
+                             "supported: 'qwen3_5' (its text_config), 'qwen3_5_text', 'qwen3_5_moe' (its text_config) "
+                             "and 'qwen3_5_moe_text'.")
+        if "moe" in kind and not issubclass(cls, Qwen3_5MoeConfig):
+            return Qwen3_5MoeConfig.from_hf_dict(d)
+        t = (d.get("text_config") or {}) if kind in COMPOSITE else d
         if t.get("hidden_act", "silu") != "silu" or t.get("attention_bias"):
             raise ValueError("Qwen3.5 with hidden_act other than silu or with attention_bias is not supported")
         theta, scaling = parse_rope(t)
@@ -111,6 +111,9 @@ class Qwen3_5Config:
         names = [f.name for f in dataclasses.fields(cls) if f.name not in ("raw", "source", "rope_theta",
                                                                             "rope_scaling", "layer_types")]
         kw = {n: t[n] for n in names if t.get(n) is not None}
+        if "moe" in kind and not 1 <= kw.get("num_experts_per_tok", 1) <= kw.get("num_experts", 1):
+            raise ValueError(f"{d.get('_name_or_path', 'config.json')}: Qwen3.5-MoE needs num_experts >= "
+                             f"num_experts_per_tok >= 1, got {kw.get('num_experts')} and {kw.get('num_experts_per_tok')}")
         kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
         kw.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
         n = kw.get("num_hidden_layers", cls.num_hidden_layers)
@@ -121,11 +124,13 @@ class Qwen3_5Config:
 
     def to_hf_dict(self) -> dict:
         """config.json for a save: the dict read (composite or text) with this shape and RoPE written in."""
-        d = json.loads(json.dumps(self.raw)) if self.raw else {"model_type": "qwen3_5_text"}
-        composite = d["model_type"] == "qwen3_5"
+        moe_ = "_moe" if isinstance(self, Qwen3_5MoeConfig) else ""
+        d = json.loads(json.dumps(self.raw)) if self.raw else {"model_type": f"qwen3_5{moe_}_text"}
+        composite = d["model_type"] in COMPOSITE
         t = d.setdefault("text_config", {}) if composite else d
         t.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in ("raw", "source", "rope_theta", "rope_scaling", "partial_rotary_factor")},
+                  if f.name not in ("raw", "source", "rope_theta", "rope_scaling", "partial_rotary_factor")
+                  and not (moe_ and f.name == "intermediate_size")},  # Qwen3.5-MoE has no dense MLP
                  layer_types=list(self.layer_types), hidden_act="silu", attention_bias=False)
         old = t.pop("rope_scaling", None) or t.get("rope_parameters") or {}
         rope = {k: v for k, v in old.items() if k in ("mrope_section", "mrope_interleaved")}
@@ -135,10 +140,41 @@ class Qwen3_5Config:
         t.pop("rope_theta", None)
         t.pop("partial_rotary_factor", None)
         if composite:
-            t["model_type"] = "qwen3_5_text"
+            t["model_type"] = f"qwen3_5{moe_}_text"
             d["tie_word_embeddings"] = self.tie_word_embeddings
-        d["architectures"] = ["Qwen3_5ForConditionalGeneration" if composite else "Qwen3_5ForCausalLM"]
+        arch = "Qwen3_5Moe" if moe_ else "Qwen3_5"
+        d["architectures"] = [f"{arch}ForConditionalGeneration" if composite else f"{arch}ForCausalLM"]
         return d
+
+
+@dataclass
+class Qwen3_5MoeConfig(Qwen3_5Config):
+    """Qwen3.5-MoE's text decoder: Qwen3_5Config's fields and those of transformers' Qwen3_5MoeTextConfig, with its
+    defaults (the 35B-A3B). Every layer's MLP is a mixture of experts with a shared expert (moe.SharedExpertMoE);
+    intermediate_size is unused."""
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    num_key_value_heads: int = 2
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    output_router_logits: bool = False  # true: router_aux_loss_coef x the load-balancing loss joins the objective
+    router_aux_loss_coef: float = 0.001
+    norm_topk_prob: ClassVar[bool] = True  # the router renormalises its top-k weights, always
+
+    def sparse(self, layer: int) -> bool:  # (as moe.Qwen3MoeConfig.sparse): every layer is
+        return True
+
+    @classmethod
+    def tiny(cls, **kw) -> "Qwen3_5MoeConfig":
+        """Qwen3_5Config.tiny with 7 experts of width 24, top 3, a shared expert of width 40."""
+        return dataclasses.replace(super().tiny(), num_experts=7, num_experts_per_tok=3, moe_intermediate_size=24,
+                                   shared_expert_intermediate_size=40, **kw)
+
+
+COMPOSITE = ("qwen3_5", "qwen3_5_moe")  # vision-language configs whose text_config is the decoder trained here
+KINDS = COMPOSITE + ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def read_config(folder: str) -> Qwen3_5Config:
@@ -298,7 +334,7 @@ class Block(nn.Module):
     what model.py's recomputed block uses (index, recompute, keep_attention, offload, body), so that recompute,
     host offload and the kept attention output (full-attention layers only) are the core's, as for Qwen3."""
 
-    def __init__(self, cfg: Qwen3_5Config, index: int, mixer: DeltaNetMixer):
+    def __init__(self, cfg: Qwen3_5Config, index: int, mixer: DeltaNetMixer, mlp: nn.Module | None = None):
         super().__init__()
         self.index, self.linear = index, cfg.layer_types[index] == "linear_attention"
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -307,7 +343,7 @@ class Block(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)  # model.py's SwiGLU: same names, same math
+        self.mlp = mlp or MLP(cfg)  # model.py's SwiGLU: same names, same math (Qwen3.5-MoE: its experts)
         # memory levers (model.py, section 2), set by Qwen3_5.set_levers
         self.recompute = False       # keep only the block's input; recompute the rest in backward
         self.keep_attention = False  # ... and attention's output + lse (a DeltaNet block never attends)
@@ -327,13 +363,15 @@ class Block(nn.Module):
 
 class Qwen3_5(nn.Module):
     """The text decoder with its head (transformers' Qwen3_5ForCausalLM). attn_fn as model.Qwen3's; mixer: the
-    DeltaNet layers' deltanet.DeltaNetMixer (default: one device)."""
+    DeltaNet layers' deltanet.DeltaNetMixer (default: one device); mlp(i): layer i's feed-forward module, as
+    model.Qwen3's (default: the dense MLP)."""
 
-    def __init__(self, cfg: Qwen3_5Config, attn_fn=causal_attention, mixer=None):
+    def __init__(self, cfg: Qwen3_5Config, attn_fn=causal_attention, mixer=None, mlp=None):
         super().__init__()
         self.cfg, self.attn_fn, self.mixer = cfg, attn_fn, mixer or DeltaNetMixer()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, self.mixer) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.mixer, mlp(i) if mlp else None)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -392,14 +430,30 @@ class Qwen3_5(nn.Module):
                 p.normal_(0.0, self.cfg.initializer_range, generator=generator)
 
 
+class Qwen3_5Moe(moe.RouterLoss, Qwen3_5):
+    """Qwen3.5-MoE (transformers' Qwen3_5MoeForCausalLM): Qwen3_5 with a moe.SharedExpertMoE as every layer's MLP.
+    With labels, forward returns a moe.MoENLL whose aux_sum is the load-balancing loss under output_router_logits
+    (moe.RouterLoss, as for Qwen3-MoE); cp_sum as moe.Qwen3MoE's."""
+
+    def __init__(self, cfg: Qwen3_5MoeConfig, attn_fn=causal_attention, mixer=None, cp_sum=None):
+        super().__init__(cfg, attn_fn, mixer, mlp=lambda i: moe.SharedExpertMoE(cfg))
+        self.cp_sum = cp_sum
+
+
+def model_class(cfg: Qwen3_5Config) -> type:
+    return Qwen3_5Moe if isinstance(cfg, Qwen3_5MoeConfig) else Qwen3_5
+
+
 # --- In train.py ---------------------------------------------------------------------------------
 
 def check_flags(cfg, model_type: str = "qwen3_5") -> str | None:
     """What train.py's flags (config.TrainConfig) ask of a Qwen3.5 (config.json's model_type) that it does not do,
     in one line; or None."""
-    if "moe" in model_type:
-        return (f"--model {cfg.model}: model_type {model_type!r} (Qwen3.5-MoE) is not supported: qwen3_5.py has "
-                "dense MLPs only (no sparse MoE blocks for the hybrid); use a dense Qwen3.5 or a Qwen3-MoE")
+    if cfg.lora_rank and "moe" in model_type:
+        from million import lora
+        why = lora.moe_targets_error(Qwen3_5MoeConfig(), lora.parse_targets(cfg.lora_targets), cfg.quantize)
+        if why:
+            return why
     if cfg.quantize:
         return (f"--quantize {cfg.quantize}: QLoRA is not supported for Qwen3.5 (its DeltaNet projections are not "
                 "tested in NF4); use --lora_rank without --quantize")
@@ -439,7 +493,12 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
         import warnings
         warnings.warn(f"the DeltaNet layers run on the torch rule, a Python loop over 64-token chunks ({slow})",
                       stacklevel=2)
-    model = Qwen3_5(mcfg, attn_fn, DeltaNetMixer(cp_group, layout=layout, kernel=kernel))
+    mixer = DeltaNetMixer(cp_group, layout=layout, kernel=kernel)
+    if isinstance(mcfg, Qwen3_5MoeConfig):  # the load-balancing loss's counts are summed over the cp group
+        import torch.distributed as dist
+        model = Qwen3_5Moe(mcfg, attn_fn, mixer, cp_sum=lambda t: dist.all_reduce(t, group=cp_group))
+    else:
+        model = Qwen3_5(mcfg, attn_fn, mixer)
     for block in model.layers:
         if block.linear:
             block.linear_attn.tile = getattr(cfg, "deltanet_tile", 0)
@@ -450,11 +509,18 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
 
 def _prefix(cfg: Qwen3_5Config) -> str:
     """Where the text decoder's weights sit in the checkpoint: a composite model nests it as language_model."""
-    return "model.language_model." if cfg.raw.get("model_type") == "qwen3_5" else "model."
+    return "model.language_model." if cfg.raw.get("model_type") in COMPOSITE else "model."
 
 
 def hf_name(name: str, cfg: Qwen3_5Config) -> str:
     return name if name.startswith("lm_head.") else _prefix(cfg) + name
+
+
+def hf_names(name: str, cfg: Qwen3_5Config) -> list:
+    """Our parameter name -> its tensors' names as transformers saves them: one, or for Qwen3.5-MoE's stacked
+    expert weights one per expert (moe.hf_expert_names)."""
+    experts = moe.hf_expert_names(name, getattr(cfg, "num_experts", 0))
+    return [_prefix(cfg) + h.removeprefix("model.") for h in experts] if experts else [hf_name(name, cfg)]
 
 
 def _read_safetensors(folder: str) -> dict:
@@ -467,33 +533,56 @@ def _is_text(hf: str, cfg: Qwen3_5Config) -> bool:
     return hf.startswith(_prefix(cfg)) or hf.startswith("lm_head.")
 
 
+def _from_checkpoint(name: str, tensors: dict, cfg: Qwen3_5Config):
+    """Our parameter `name` from a checkpoint's tensors -> (tensor or None when absent, the names it was read from).
+    Expert weights come one per expert (as transformers saves them) or fused, [E, 2 I, H] gate then up and
+    [E, H, I] down (as transformers holds them in memory)."""
+    names = hf_names(name, cfg)
+    if all(h in tensors for h in names):
+        return (torch.stack([tensors[h] for h in names]) if len(names) > 1 else tensors[names[0]]), names
+    if len(names) > 1:  # fused expert weights
+        module, _, weight = hf_name(name, cfg).rpartition(".")
+        fused = f"{module}.{'down_proj' if weight == 'down_proj' else 'gate_up_proj'}"
+        if fused in tensors:
+            t = tensors[fused]
+            return t if weight == "down_proj" else t.chunk(2, 1)[weight == "up_proj"], [fused]
+    return None, names
+
+
 def load_state_dict_from_hf(folder: str, cfg: Qwen3_5Config, names: list, dtype) -> dict:
     """Our parameter names -> tensors in dtype from folder's *.safetensors; the text decoder's weights only."""
     tensors = _read_safetensors(folder)
-    missing = [n for n in names if hf_name(n, cfg) not in tensors]
+    found = {n: _from_checkpoint(n, tensors, cfg) for n in names}
+    missing = [h for t, hs in found.values() if t is None for h in hs]
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks {len(missing)} weights of the text decoder, e.g. {missing[:3]}")
-    extra = sorted(k for k in tensors if _is_text(k, cfg) and k not in {hf_name(n, cfg) for n in names}
+    used = {h for _, hs in found.values() for h in hs}
+    extra = sorted(k for k in tensors if _is_text(k, cfg) and k not in used
                    and k != "lm_head.weight")  # a tied model may still carry a head
     if extra:
         raise ValueError(f"{folder}: checkpoint has text weights this model does not, e.g. {extra[:3]}")
-    return {n: tensors[hf_name(n, cfg)].to(dtype) for n in names}
+    return {n: t.to(dtype) for n, (t, _) in found.items()}
 
 
 def from_pretrained(folder: str, dtype=torch.bfloat16, attn_fn=causal_attention, mixer=None) -> Qwen3_5:
     cfg = read_config(folder)
     with torch.device("meta"):
-        model = Qwen3_5(cfg, attn_fn, mixer)
+        model = model_class(cfg)(cfg, attn_fn, mixer)
     sd = load_state_dict_from_hf(folder, cfg, list(model.state_dict()), dtype)
     model.load_state_dict(sd, assign=True)
     return model
 
 
 def save_hf(out_dir: str, cfg: Qwen3_5Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):
-    """config.json + model.safetensors that transformers loads (AutoModelForCausalLM: Qwen3_5ForCausalLM). For a
+    """config.json + model.safetensors that transformers loads (AutoModelForCausalLM: Qwen3_5ForCausalLM, or
+    Qwen3_5MoeForCausalLM with the experts one tensor each, as transformers saves them). For a
     composite checkpoint, the weights outside the text decoder (model.visual.*, mtp.*) are copied from cfg.source
     as they were read. Shards of at most max_shard_bytes, as hf.save_hf writes them."""
-    tensors = {hf_name(n, cfg): t.detach().cpu().contiguous() for n, t in state_dict.items()}
+    tensors = {}
+    for n, t in state_dict.items():
+        hs, t = hf_names(n, cfg), t.detach().cpu()
+        # an expert's slice is cloned: safetensors refuses tensors that share memory
+        tensors.update({hs[0]: t.contiguous()} if len(hs) == 1 else {h: t[e].clone() for e, h in enumerate(hs)})
     if cfg.source:
         tensors.update({k: t for k, t in _read_safetensors(cfg.source).items() if not _is_text(k, cfg)})
     write_safetensors(out_dir, tensors, max_shard_bytes)

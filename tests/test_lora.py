@@ -400,7 +400,7 @@ def test_moe_takes_attention_adapters_only(tmp_path):
     from test_moe import moe_cfg, random_moe, shifted
     base = random_moe(moe_cfg())
     save_pretrained(base, str(tmp_path))
-    with pytest.raises(ValueError, match="attention only"):
+    with pytest.raises(ValueError, match="adapts attention projections only"):
         lora.apply(random_moe(moe_cfg()), RANK, ALPHA)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     pm = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(lora.ATTENTION)))

@@ -426,7 +426,8 @@ def test_refuses_another_model_type_naming_what_is_supported(tmp_path):
         H.read_config(str(tmp_path))
     msg = str(e.value)
     assert msg == ("meta-llama/Llama-3.2-1B: model_type 'llama' is not supported; supported: 'qwen3' (Qwen3), "
-                   "'qwen3_moe' (Qwen3-MoE), 'qwen3_5' and 'qwen3_5_text' (Qwen3.5)."), msg
+                   "'qwen3_moe' (Qwen3-MoE), 'qwen3_5' and 'qwen3_5_text' (Qwen3.5), 'qwen3_5_moe' and "
+                   "'qwen3_5_moe_text' (Qwen3.5-MoE)."), msg
 
 
 def test_a_moe_config_is_refused_by_the_dense_model():

@@ -17,8 +17,8 @@ from loss import chunked_nll
 from million import documents
 from million.deltanet import DeltaNetMixer, chunk_gated_delta_rule
 from model import causal_attention
-from million.qwen3_5 import (GatedDeltaNet, Qwen3_5, Qwen3_5Config, from_pretrained, hf_name, read_config,
-                             save_pretrained)
+from million.qwen3_5 import (GatedDeltaNet, Qwen3_5, Qwen3_5Config, from_pretrained, hf_name, model_class,
+                             read_config, save_pretrained)
 from parallel import RingAttention, cp_shard, cp_unshard
 from test_ring import run_ranks
 
@@ -42,9 +42,12 @@ def make_model(dtype, cfg=None, **kw):
     """The tiny model with weights drawn from a fixed seed, norms and dt_bias moved off their initial values (a
     zero-centred norm read as x * w instead of x * (1 + w) would pass at w = 0), and slow decays: A in [0.01, 0.05]
     keeps exp(sum g) over a 74-token chunk near 0.01-0.3, so a state passed between chunks (and ranks) is seen in
-    the outputs (with transformers' A up to 16 it is gone within a few tokens, and a wrong carry could pass)."""
+    the outputs (with transformers' A up to 16 it is gone within a few tokens, and a wrong carry could pass).
+    A Qwen3.5-MoE's routers are 10x larger: logits of order 1, so that the top-k choice is far from a tie that
+    rounding (ours vs transformers', or a ring's) could flip."""
     gen = torch.Generator().manual_seed(0)
-    model = Qwen3_5(cfg or Qwen3_5Config.tiny(), **kw)
+    cfg = cfg or Qwen3_5Config.tiny()
+    model = model_class(cfg)(cfg, **kw)
     model.init_weights(gen)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -52,6 +55,8 @@ def make_model(dtype, cfg=None, **kw):
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
             if name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 0.05, generator=gen).log())
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(10)
     return model.to(dtype)
 
 
@@ -578,9 +583,10 @@ def test_unsupported_model_type_is_refused(tmp_path):
 
 
 def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
-    """train.py's checks (config.check_config) on a local Qwen3.5 folder: Qwen3.5-MoE and QLoRA are refused in one
-    line that names what is missing; a plain Qwen3.5 with LoRA on the DeltaNet projections passes. LoRA targets
-    that match no projection of the model are refused by lora.apply."""
+    """train.py's checks (config.check_config) on a local Qwen3.5 folder: QLoRA, and LoRA on a Qwen3.5-MoE's MLP
+    projections (its experts have no adapters), are refused in one line that names what to pass; a Qwen3.5 with
+    LoRA on the DeltaNet projections passes, and so does a Qwen3.5-MoE. LoRA targets that match no projection of
+    the model are refused by lora.apply."""
     from million import config, lora
     from model import Qwen3, Qwen3Config
     folder = tmp_path / "q"
@@ -595,8 +601,12 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
         except SystemExit as e:
             return e.code
     assert error("qwen3_5_text", "--lora_rank", "4", "--lora_targets", "in_proj_qkv,out_proj") is None
-    moe = error("qwen3_5_moe")
-    assert moe.startswith("error: --model") and "Qwen3.5-MoE" in moe and "dense MLPs only" in moe and "\n" not in moe
+    assert error("qwen3_5_moe_text") is None
+    assert error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj,in_proj_qkv") is None
+    moe = error("qwen3_5_moe_text", "--lora_rank", "4")  # the default targets include gate_proj, up_proj, down_proj
+    assert moe == ("error: LoRA on a mixture of experts adapts attention and DeltaNet projections only (the experts "
+                   "have no adapters), in bf16: pass --lora_targets q_proj,k_proj,v_proj,o_proj,in_proj_qkv,"
+                   "in_proj_z,in_proj_b,in_proj_a,out_proj and no --quantize"), moe
     nf4 = error("qwen3_5_text", "--lora_rank", "4", "--quantize", "nf4")
     assert nf4.startswith("error: --quantize nf4: QLoRA is not supported for Qwen3.5") and "\n" not in nf4
     from million.deltanet import fla_unavailable
@@ -606,8 +616,8 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
         fla = error("qwen3_5_text", "--deltanet_kernel", "fla")
         assert fla.startswith(f"error: --deltanet_kernel fla: {fla_unavailable()}") and \
             "--deltanet_kernel torch" in fla and "\n" not in fla, fla
-    error("qwen3_5_moe")
-    with pytest.raises(ValueError, match="Qwen3.5-MoE"):  # what rank 0 says of a hub id's folder
+    error("mamba")
+    with pytest.raises(ValueError, match="'qwen3_5_moe_text'"):  # what rank 0 says of a hub id's folder
         read_config(str(folder))
     with pytest.raises(ValueError, match="none is a projection"):
         lora.apply(Qwen3(Qwen3Config.tiny()), 4, targets=lora.DELTANET)

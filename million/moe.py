@@ -327,7 +327,7 @@ class _LoadBalancingLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss_sum, aux, balance, w, scale):
         ctx.balance, ctx.w, ctx.scale = balance, w, scale
-        return aux.view_as(aux)
+        return aux.clone()  # not a view: FSDP2 warns of a module output that is one
 
     @staticmethod
     def backward(ctx, g):

@@ -25,8 +25,8 @@ set per token); with deltanet_tile the working set is a piece's, for one more fo
 The FLOPs of a step are written here once: train.py's MFU counts useful_flops, the cost model the same pieces
 with the work the GPU really does (see useful_flops).
 
-Qwen3-MoE: memory counts every expert (stored, sharded, given AdamW states); FLOPs count the router and the top_k
-experts a token goes to. Every constant was fitted to dense runs: for a MoE the prediction assumes the grouped
+Qwen3-MoE (and Qwen3.5-MoE, whose sparse blocks add a shared expert every token meets): memory counts every expert
+(stored, sharded, given AdamW states); FLOPs count the router and the top_k experts a token goes to. Every constant was fitted to dense runs: for a MoE the prediction assumes the grouped
 GEMMs run at the dense GEMM rate and the routing costs nothing beyond the per-token term, neither measured yet.
 
 LoRA (lora.py): the frozen base costs act_bytes a parameter (sharded), or NF4_BYTES for the blocks' projections
@@ -43,7 +43,6 @@ import torch
 
 from million.documents import document_area, parse_doc_lens
 from million import hf
-from million.moe import Qwen3MoeConfig
 from model import Qwen3Config, pinned_size
 
 
@@ -120,6 +119,7 @@ class Shape:
     top_k: int = 0
     moe_intermediate: int = 0
     sparse_layers: int = 0
+    shared_intermediate: int = 0  # Qwen3.5-MoE: the width of the shared expert beside the routed ones (and its gate)
     # Packed documents: the busiest rank's share of the attention a full causal window gives it (document_area);
     # 1 for one sequence. Attention's time scales with it; nothing else does.
     attn_area: float = 1.0
@@ -138,8 +138,9 @@ class Shape:
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
            loss_chunk=2048, attn_backend="cudnn", stochastic_rounding=False, lora_rank=0, lora_targets=(),
            quantize=""):
-        sparse = sum(map(mcfg.sparse, range(mcfg.num_hidden_layers))) if isinstance(mcfg, Qwen3MoeConfig) else 0
-        moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse) if sparse else (0,) * 4
+        sparse = sum(map(mcfg.sparse, range(mcfg.num_hidden_layers))) if hasattr(mcfg, "sparse") else 0
+        moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse,
+               getattr(mcfg, "shared_expert_intermediate_size", 0)) if sparse else (0,) * 5
         types = getattr(mcfg, "layer_types", None) or ()  # Qwen3.5's
         hybrid = dict(attention_at=tuple(i for i, t in enumerate(types) if t == "full_attention"),
                       dn=(mcfg.linear_num_key_heads, mcfg.linear_num_value_heads, mcfg.linear_key_head_dim,
@@ -178,12 +179,16 @@ class Shape:
         return sum(i * o for i, o in deltanet_projections(self).values())
 
     @property
-    def moe_params(self):  # a sparse block's experts and router: what is stored
-        return self.experts * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts
+    def moe_params(self):  # a sparse block's experts and router (and shared expert with its gate): what is stored
+        return self.experts * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts + self.shared_params
 
     @property
-    def moe_active_params(self):  # ... and what multiplies each token: top_k experts and the router
-        return self.top_k * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts
+    def moe_active_params(self):  # ... and what multiplies each token: top_k experts and the router (and shared)
+        return self.top_k * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts + self.shared_params
+
+    @property
+    def shared_params(self):  # Qwen3.5-MoE's shared expert and its gate, per sparse block
+        return 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
 
     @property
     def blocks_matmul_params(self):  # every block's projections and MLP a token meets (in MoE: its top_k experts)
@@ -364,7 +369,7 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     if not lv.tiled_mlp and s.tokens > lv.mlp_tile:  # the four [T, intermediate] tensors whole, not a tile's; for
         # a MoE block the same four [T*top_k, moe_intermediate] and the routed rows and outputs [T*top_k, hidden]
         width = max(4 * s.intermediate if s.layers > s.sparse_layers else 0,
-                    s.top_k * (4 * s.moe_intermediate + 2 * s.hidden))
+                    s.top_k * (4 * s.moe_intermediate + 2 * s.hidden) + 4 * s.shared_intermediate)
         mlp = (s.tokens - lv.mlp_tile) * width * s.act_bytes
     # a MoE block's backward holds its experts' gradients in fp32 and a tile's in act_bytes (_TiledMoE): never
     # measured, added here as they are (1 block's worth; a dense MLP's smaller ones sit inside the fitted `work`)

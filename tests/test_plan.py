@@ -337,6 +337,30 @@ def test_qwen3_5_counts_are_the_models():
     assert s.lora_shape().lora_targets == Q35_TARGETS
 
 
+def test_qwen3_5_moe_counts_are_the_models():
+    """Qwen3.5-MoE at the 35B-A3B shape (transformers' Qwen3_5MoeConfig defaults, a vision-language config.json):
+    stored parameters (every expert, the shared experts and their gates) equal the model's, built on meta; the
+    active ones count top-8 of 256 experts plus the shared expert; the LoRA adapters on attention and DeltaNet
+    projections equal lora.apply's."""
+    from million import lora
+    from million.qwen3_5 import Qwen3_5Moe
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b"))
+    with torch.device("meta"):
+        m = Qwen3_5Moe(mcfg)
+    s = plan.Shape.of(mcfg, 131072, 1, 1, 1)
+    assert s.params == sum(p.numel() for p in m.parameters()) == 34_660_610_688
+    assert (s.sparse_layers, s.experts, s.top_k, s.shared_intermediate) == (40, 256, 8, 512)
+    block = m.layers[0].mlp
+    per_block = sum(p.numel() for p in block.parameters())
+    active = per_block - (256 - 8) * 3 * 2048 * 512
+    assert s.active_params == s.params - 40 * (per_block - active) and round(s.active_params / 1e9, 2) == 3.45
+    targets = lora.ATTENTION + lora.DELTANET
+    with torch.device("meta"):
+        adapted = lora.apply(Qwen3_5Moe(mcfg), 16, targets=targets)
+    assert plan.Shape.of(mcfg, 131072, 1, 1, 1, lora_rank=16, lora_targets=targets).lora_params == sum(
+        p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
 def q35_runs():
     """The measured steps: (kind, tokens, offloaded blocks, step s, peak GiB, pinned host GiB), step 2 of each."""
     import json

@@ -52,6 +52,34 @@ def test_train_py_trains_qwen3_5_at_cp_1_and_2_and_exports_it(tmp_path):
         assert_loads_in_transformers(str(tmp_path / out))
 
 
+def test_train_py_trains_qwen3_5_moe_at_cp_1_and_2_and_exports_it(tmp_path):
+    """A tiny Qwen3.5-MoE (6 experts, top 2, a shared expert; the load-balancing loss on): cp 2 with the blocks
+    offloaded and the experts tiled gives cp 1's losses, load-balancing terms and grad norms; the loss falls; the
+    export loads in transformers as Qwen3_5MoeForCausalLM with our logits."""
+    import pytest
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+    from million.qwen3_5 import from_pretrained
+    model = tmp_path / "qwen3_5_moe"
+    Qwen3_5MoeTextConfig(vocab_size=257, hidden_size=48, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=12, linear_value_head_dim=10, num_experts=6, num_experts_per_tok=2,
+                         moe_intermediate_size=24, shared_expert_intermediate_size=40, output_router_logits=True,
+                         router_aux_loss_coef=0.1, max_position_embeddings=4096,
+                         initializer_range=0.05).save_pretrained(model)
+    cp1 = run(tmp_path, 1, "--model", str(model), "--cp", "1", "--save_dir", str(tmp_path / "out"))
+    cp2 = run(tmp_path, 2, "--model", str(model), "--cp", "2", "--offload", "true", "--mlp_tile", "50")
+    same_steps(cp1, cp2)
+    for a, b in zip(cp1, cp2):  # near-uniform routing at this init: aux ~ top_k = 2, so coef * aux ~ 0.2
+        assert a["aux_loss"] > 0.05 and a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5), (a, b)
+    assert cp1[-1]["loss"] < cp1[0]["loss"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3_5MoeForCausalLM"
+    ids = torch.randint(0, 257, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, from_pretrained(str(tmp_path / "out"), torch.float32).logits(ids),
+                                   atol=2e-6, rtol=1e-5)
+
+
 def test_packed_documents_with_lora_at_cp_1_and_2(tmp_path):
     """Prompt/completion rows packed as documents (the DeltaNet state and conv restart at each; at cp 2 the chunks
     go to ranks by documents.cp_layout, the layout the mixer is given) with LoRA on the DeltaNet and attention

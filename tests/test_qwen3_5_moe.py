@@ -199,3 +199,24 @@ def test_lora_matches_peft(tmp_path):
         assert rel(p.grad, theirs[peft_name(n)].grad) < 2e-4, (n, rel(p.grad, theirs[peft_name(n)].grad))
     with pytest.raises(ValueError, match="^LoRA on a mixture of experts adapts attention and DeltaNet projections"):
         lora.apply(make_model(torch.float32, cfg()), RANK, targets=lora.TARGETS)
+
+
+@pytest.mark.gpu
+def test_bf16_on_the_gpu_matches_fp32_on_the_cpu():
+    """The tiny Qwen3.5-MoE in bf16 on the GPU (the experts on torch._grouped_mm, the DeltaNet rule on fla where it
+    runs, else the torch rule) against the same weights in fp32 on the CPU: the loss with its load-balancing term
+    within 1e-2 relative, each gradient within 5e-2 in norm (bf16 end to end; a token whose top-3 flips between
+    the two moves its experts' gradients, which the 10x routers keep rare)."""
+    from million.deltanet import resolve_kernel
+    from test_fa4 import rel
+    ids, labels = inputs()
+    got = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        kernel = resolve_kernel("auto") if device == "cuda" else "torch"
+        model = make_model(torch.float32, cfg(), mixer=DeltaNetMixer(kernel=kernel)).to(device, dtype)
+        out = step(model, ids.to(device), labels.to(device))
+        got[device] = (out.total().item(), {n: g.float().cpu() for n, g in grads(model).items()})
+    (l0, g0), (l1, g1) = got["cpu"], got["cuda"]
+    worst = max((rel(g1[n], g0[n]), n) for n in g0)
+    print(f"loss {l0:.6f} vs {l1:.6f}, worst gradient {worst[0]:.1e} ({worst[1]})")
+    assert abs(l1 - l0) / abs(l0) < 1e-2 and worst[0] < 5e-2, (l0, l1, worst)

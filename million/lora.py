@@ -18,8 +18,9 @@ see ordinary modules. The chunked loss skips the head's weight gradient (its wei
 Adapters, named as PEFT names them (layers.N.self_attn.q_proj.lora_A.weight), are initialised as PEFT does (A
 kaiming-uniform with a = sqrt(5), B zero, so that training starts from the base model). The export is a PEFT
 adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). Qwen3-MoE: adapters on attention
-only (the experts' stacked weights have no adapter; Qwen3.5-MoE: attention and DeltaNet). Qwen3.5 (qwen3_5.py): its gated attention's projections, its
-Gated DeltaNet layers' (DELTANET) and the MLPs', by the names transformers gives them.
+only (the experts' stacked weights have no adapter; Qwen3.5-MoE: attention and DeltaNet). Qwen3.5 (qwen3_5.py):
+its gated attention's projections, its Gated DeltaNet layers' (DELTANET) and the MLPs', by the names transformers
+gives them.
 """
 import importlib.util
 import json

@@ -26,8 +26,9 @@ The FLOPs of a step are written here once: train.py's MFU counts useful_flops, t
 with the work the GPU really does (see useful_flops).
 
 Qwen3-MoE (and Qwen3.5-MoE, whose sparse blocks add a shared expert every token meets): memory counts every expert
-(stored, sharded, given AdamW states); FLOPs count the router and the top_k experts a token goes to. Every constant was fitted to dense runs: for a MoE the prediction assumes the grouped
-GEMMs run at the dense GEMM rate and the routing costs nothing beyond the per-token term, neither measured yet.
+(stored, sharded, given AdamW states); FLOPs count the router and the top_k experts a token goes to. Every constant
+was fitted to dense runs: for a MoE the prediction assumes the grouped GEMMs run at the dense GEMM rate and the
+routing costs nothing beyond the per-token term, neither measured yet.
 
 LoRA (lora.py): the frozen base costs act_bytes a parameter (sharded), or NF4_BYTES for the blocks' projections
 with --quantize nf4 (held whole on every rank), and has no gradient, no AdamW state and no weight-gradient GEMM;

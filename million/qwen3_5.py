@@ -111,9 +111,10 @@ class Qwen3_5Config:
         names = [f.name for f in dataclasses.fields(cls) if f.name not in ("raw", "source", "rope_theta",
                                                                             "rope_scaling", "layer_types")]
         kw = {n: t[n] for n in names if t.get(n) is not None}
-        if "moe" in kind and not 1 <= kw.get("num_experts_per_tok", 1) <= kw.get("num_experts", 1):
+        experts, top_k = kw.get("num_experts", 1), kw.get("num_experts_per_tok", 1)
+        if "moe" in kind and not 1 <= top_k <= experts:
             raise ValueError(f"{d.get('_name_or_path', 'config.json')}: Qwen3.5-MoE needs num_experts >= "
-                             f"num_experts_per_tok >= 1, got {kw.get('num_experts')} and {kw.get('num_experts_per_tok')}")
+                             f"num_experts_per_tok >= 1, got {experts} and {top_k}")
         kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
         kw.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
         n = kw.get("num_hidden_layers", cls.num_hidden_layers)

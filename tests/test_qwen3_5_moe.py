@@ -220,3 +220,11 @@ def test_bf16_on_the_gpu_matches_fp32_on_the_cpu():
     worst = max((rel(g1[n], g0[n]), n) for n in g0)
     print(f"loss {l0:.6f} vs {l1:.6f}, worst gradient {worst[0]:.1e} ({worst[1]})")
     assert abs(l1 - l0) / abs(l0) < 1e-2 and worst[0] < 5e-2, (l0, l1, worst)
+
+
+def test_a_bad_expert_count_is_refused(tmp_path):
+    d = {**cfg().to_hf_dict(), "num_experts": 2, "num_experts_per_tok": 3, "_name_or_path": "me/bad"}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="^me/bad: Qwen3.5-MoE needs num_experts >= num_experts_per_tok >= 1, "
+                                         "got 2 and 3$"):
+        read_config(str(tmp_path))

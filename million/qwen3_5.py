@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loss import chunked_nll
 from model import Block as Qwen3Block
-from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
+from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, fused, rope_cos_sin, rope_inv_freq
 from million import deltanet, moe
 from million.deltanet import DeltaNetMixer, causal_conv, l2norm, resolve_kernel
 from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
@@ -193,9 +193,7 @@ class ZeroCentredRMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.zeros(dim)), eps
 
     def forward(self, x):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (n * (1 + self.weight.to(xf.dtype))).to(x.dtype)
+        return _ZeroCentredNormFn.apply(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -206,10 +204,74 @@ class GatedRMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x, z):
-        acc = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(acc)
-        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (y * F.silu(z.to(acc))).to(x.dtype)
+        return _GatedNormFn.apply(x, z, self.weight, self.eps)
+
+
+# The two norms as autograd Functions that keep only their inputs and the fp32 rstd for the backward, each direction
+# one compiled kernel on CUDA (model.fused), where autograd of the same formulas would keep fp32 copies of x (and z)
+# and run a dozen elementwise kernels over [tokens, hidden] each way. The formulas round where transformers' do.
+
+def _zc_norm(x, w, eps):
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * (1 + w.to(xf.dtype))).to(x.dtype), rstd
+
+
+def _zc_norm_backward(dy, x, w, rstd):
+    n = x.to(rstd.dtype) * rstd                                         # the normalised x, fp32
+    g = dy.to(rstd.dtype)
+    dw = (g * n).reshape(-1, n.shape[-1]).sum(0)
+    dn = g * (1 + w.to(rstd.dtype))
+    return (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype), dw.to(w.dtype)
+
+
+class _ZeroCentredNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, rstd = fused(_zc_norm, x)(x, w, eps)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = fused(_zc_norm_backward, dy)(dy, x, w, rstd)
+        return dx, dw, None
+
+
+def _gated_norm(x, z, w, eps):
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((w * (xf * rstd).to(x.dtype)) * F.silu(z.to(xf.dtype))).to(x.dtype), rstd
+
+
+def _gated_norm_backward(dy, x, z, w, rstd):
+    acc = rstd.dtype
+    n = x.to(acc) * rstd                                                # the normalised x, fp32
+    a = n.to(x.dtype)                                                   # ... rounded, as the forward multiplies it
+    zf = z.to(acc)
+    s = torch.sigmoid(zf)
+    g = dy.to(acc)
+    db = g * zf * s                                                     # d(w * a): dy * silu(z)
+    dz = g * (w * a).to(acc) * s * (1 + zf * (1 - s))                   # silu'(z) = s (1 + z (1 - s))
+    dw = (db * a.to(acc)).reshape(-1, n.shape[-1]).sum(0)
+    dn = db * w.to(acc)
+    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dz.to(z.dtype), dw.to(w.dtype)
+
+
+class _GatedNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, z, w, eps):
+        y, rstd = fused(_gated_norm, x)(x, z, w, eps)
+        ctx.save_for_backward(x, z, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, w, rstd = ctx.saved_tensors
+        dx, dz, dw = fused(_gated_norm_backward, dy)(dy, x, z, w, rstd)
+        return dx, dz, dw, None
 
 
 def partial_rope(x, cos, sin):

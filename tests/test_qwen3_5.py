@@ -138,6 +138,77 @@ def test_yarn_matches_transformers():
         assert (logits - plain.logits(ids)).abs().max() > 1e-2
 
 
+def norm_cases(dtype):
+    """(our norm, transformers', its inputs) for both norms: 37 x 3 rows of 10 (odd sizes), weights off their
+    initial values; and an upstream gradient."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+    from million.qwen3_5 import GatedRMSNorm, ZeroCentredRMSNorm
+    gen = torch.Generator().manual_seed(0)
+    x, z, dy = (torch.randn(37, 3, 10, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+    w = 0.5 * torch.randn(10, generator=gen, dtype=torch.float64)
+    cases = [(ZeroCentredRMSNorm(10, 1e-6), Qwen3_5RMSNorm(10, 1e-6), (x,)),
+             (GatedRMSNorm(10, 1e-6), Qwen3_5RMSNormGated(10, 1e-6), (x, z))]
+    for ours, theirs, _ in cases:
+        ours.weight.data.copy_(w + (1 if isinstance(ours, GatedRMSNorm) else 0))
+        theirs.weight.data.copy_(ours.weight.data)
+        ours.to(dtype), theirs.to(dtype)
+    return cases, dy
+
+
+def forward_backward(fn, weight, args, dy):
+    """fn(*args) and the gradients of args and weight for the upstream dy."""
+    args = [a.detach().requires_grad_() for a in args]
+    weight.grad = None
+    y = fn(*args)
+    y.backward(dy)
+    return [y, *(a.grad for a in args), weight.grad]
+
+
+def test_norms_backward_is_their_formulas_gradient():
+    """fp64: the norms' written-out backwards (ZeroCentredRMSNorm, GatedRMSNorm) equal autograd through their own
+    forward formulas within 1e-12 (the output, and the gradients of x, z and the weight)."""
+    from million.qwen3_5 import _gated_norm, _zc_norm
+    cases, dy = norm_cases(torch.float64)
+    for (m, _, args), formula in zip(cases, (_zc_norm, _gated_norm)):
+        got = forward_backward(m, m.weight, args, dy)
+        want = forward_backward(lambda *a: formula(*a, m.weight, m.eps)[0], m.weight, args, dy)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=type(m).__name__)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_norms_match_transformers(dtype, tol):
+    """The norms against transformers' Qwen3_5RMSNorm and Qwen3_5RMSNormGated under autograd: the output and the
+    gradients of x, z and the weight within tol in norm (bf16: both round to bf16, in places in another order)."""
+    cases, dy = norm_cases(dtype)
+    for ours, theirs, args in cases:
+        got, want = (forward_backward(m, m.weight, args, dy) for m in (ours, theirs))
+        for name, a, b in zip(("y", "dx", "dz")[:len(args) + 1] + ("dw",), got, want):
+            err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            assert err < tol, (type(ours).__name__, name, dtype, err)
+
+
+@pytest.mark.gpu
+def test_compiled_norms_match_eager():
+    """On CUDA the norms' formulas run compiled (model.fused): forward and backward equal the same formulas run
+    eagerly on the same GPU within 1e-5 (fp32), at the 9B's gated-norm rows."""
+    from million import qwen3_5 as q35
+    from model import fused
+    x, z, dy = (torch.randn(4096, 32, 128, device="cuda") for _ in range(3))
+    w = 1 + 0.5 * torch.randn(128, device="cuda")
+    y, rstd = q35._zc_norm(x, w, 1e-6)
+    for a, b in zip(fused(q35._zc_norm, x)(x, w, 1e-6), (y, rstd)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(fused(q35._zc_norm_backward, x)(dy, x, w, rstd), q35._zc_norm_backward(dy, x, w, rstd)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    y, rstd = q35._gated_norm(x, z, w, 1e-6)
+    for a, b in zip(fused(q35._gated_norm, x)(x, z, w, 1e-6), (y, rstd)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(fused(q35._gated_norm_backward, x)(dy, x, z, w, rstd),
+                    q35._gated_norm_backward(dy, x, z, w, rstd)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def naive_delta_rule(q, k, v, g, beta, state):
     """The recurrence token by token, S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T q_t, S [B, H, dk, dv]."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from million import deltanet, plan  # noqa: E402
-from million.qwen3_5 import GatedDeltaNet, Qwen3_5Config  # noqa: E402
+from million.qwen3_5 import GatedDeltaNet, Qwen3_5Config, ZeroCentredRMSNorm, _gated_norm, _zc_norm  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
 
 
@@ -73,6 +73,10 @@ def main():
         q, k, v, g, beta = (t.detach() for t in layer._rule_inputs(x, qkv, mixer))
         o = torch.randn(B, nv, T, dv, device=device, dtype=dtype)
     rule_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    norm = ZeroCentredRMSNorm(H, cfg.rms_norm_eps).to(device, dtype).requires_grad_(False)
+    with torch.no_grad():  # the candidate computes the same conv (bf16: rounded in another order)
+        want = deltanet.causal_conv(F.pad(qkv, (0, 0, cfg.linear_conv_kernel_dim - 1, 0)), layer.conv1d.weight)
+        torch.testing.assert_close(shifted_conv(qkv, layer.conv1d.weight), want, atol=2e-2, rtol=2e-2)
     acc = q.element_size()
     parts = {
         # name: (forward, inputs, floor in seconds for forward + backward)
@@ -90,8 +94,17 @@ def main():
                                                            + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
         f"rule ({kernel})": (lambda *t: mixer.span_rule(*t, final=False)[0], rule_in,
                              3 * T * nv * (2 * dk + 2 * dv) * acc / a.bandwidth),
+        "conv, as K shifted multiply-adds (not used: for comparison)": (
+            lambda t: shifted_conv(t, layer.conv1d.weight), [qkv.detach().requires_grad_()],
+            3 * 2 * T * conv_dim * e / a.bandwidth),
         "gated norm": (lambda o, x: layer.norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv)),
                        [o.requires_grad_(), x], 3 * 3 * T * nv * dv * e / a.bandwidth),
+        "gated norm, eager autograd (before)": (
+            lambda o, x: _gated_norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv), layer.norm.weight,
+                                     layer.norm.eps)[0], [o, x], 3 * 3 * T * nv * dv * e / a.bandwidth),
+        "zero-centred norm [T, hidden]": (lambda x: norm(x), [x], 3 * 2 * T * H * e / a.bandwidth),
+        "zero-centred norm, eager autograd (before)": (lambda x: _zc_norm(x, norm.weight, norm.eps)[0], [x],
+                                                        3 * 2 * T * H * e / a.bandwidth),
         "the whole layer": (lambda x: layer(x, mixer), [x], None),
     }
     rows = []
@@ -118,6 +131,14 @@ def main():
         json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", seq_len=T,
                        kernel=kernel, dtype=str(dtype), rows=rows), fh, indent=1)
     print(f"wrote {out}")
+
+
+def shifted_conv(x, weight):
+    """The causal depthwise conv of x [B, T, C] (zeros before it) as K shifted multiply-adds in x's layout, no
+    transposes: a candidate for replacing F.conv1d, timed beside it."""
+    K = weight.shape[-1]
+    xp = F.pad(x, (0, 0, K - 1, 0))
+    return sum(xp[:, i:i + x.shape[1]] * weight[:, 0, i] for i in range(K))
 
 
 def layer_params(layer) -> int:

@@ -193,7 +193,7 @@ class ZeroCentredRMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.zeros(dim)), eps
 
     def forward(self, x):
-        return _ZeroCentredNormFn.apply(x, self.weight, self.eps)
+        return _NormFn.apply(_zc_norm, _zc_norm_backward, self.eps, x, self.weight)
 
 
 class GatedRMSNorm(nn.Module):
@@ -204,12 +204,26 @@ class GatedRMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x, z):
-        return _GatedNormFn.apply(x, z, self.weight, self.eps)
+        return _NormFn.apply(_gated_norm, _gated_norm_backward, self.eps, x, z, self.weight)
 
 
-# The two norms as autograd Functions that keep only their inputs and the fp32 rstd for the backward, each direction
-# one compiled kernel on CUDA (model.fused), where autograd of the same formulas would keep fp32 copies of x (and z)
-# and run a dozen elementwise kernels over [tokens, hidden] each way. The formulas round where transformers' do.
+class _NormFn(torch.autograd.Function):
+    """A norm that keeps only its inputs and the fp32 rstd for the backward, each direction one compiled kernel on
+    CUDA (model.fused), where autograd of the same formula would keep fp32 copies of x (and z) and run a dozen
+    elementwise kernels over [tokens, hidden] each way. formula(*inputs, eps) -> (y, rstd); backward(dy, *inputs,
+    rstd) -> the inputs' gradients. The formulas below round where transformers' do."""
+
+    @staticmethod
+    def forward(ctx, formula, backward, eps, *inputs):
+        y, rstd = fused(formula, inputs[0])(*inputs, eps)
+        ctx.backward = backward
+        ctx.save_for_backward(*inputs, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return None, None, None, *fused(ctx.backward, dy)(dy, *ctx.saved_tensors)
+
 
 def _zc_norm(x, w, eps):
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -223,20 +237,6 @@ def _zc_norm_backward(dy, x, w, rstd):
     dw = (g * n).reshape(-1, n.shape[-1]).sum(0)
     dn = g * (1 + w.to(rstd.dtype))
     return (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype), dw.to(w.dtype)
-
-
-class _ZeroCentredNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        y, rstd = fused(_zc_norm, x)(x, w, eps)
-        ctx.save_for_backward(x, w, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = fused(_zc_norm_backward, dy)(dy, x, w, rstd)
-        return dx, dw, None
 
 
 def _gated_norm(x, z, w, eps):
@@ -258,20 +258,6 @@ def _gated_norm_backward(dy, x, z, w, rstd):
     dn = db * w.to(acc)
     dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
     return dx.to(x.dtype), dz.to(z.dtype), dw.to(w.dtype)
-
-
-class _GatedNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, z, w, eps):
-        y, rstd = fused(_gated_norm, x)(x, z, w, eps)
-        ctx.save_for_backward(x, z, w, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, z, w, rstd = ctx.saved_tensors
-        dx, dz, dw = fused(_gated_norm_backward, dy)(dy, x, z, w, rstd)
-        return dx, dz, dw, None
 
 
 def partial_rope(x, cos, sin):

@@ -95,7 +95,7 @@ class Qwen3_5Config:
     @classmethod
     def from_hf_dict(cls, d: dict) -> "Qwen3_5Config":
         """An HF config.json dict: model_type 'qwen3_5_text', or 'qwen3_5' (a vision-language model; its
-        text_config is what is trained here)."""
+        text_config is what is trained here); 'qwen3_5_moe_text' or 'qwen3_5_moe' give a Qwen3_5MoeConfig."""
         kind = d.get("model_type")
         if kind not in KINDS:
             raise ValueError(f"{d.get('_name_or_path', 'config.json')}: model_type {kind!r} is not Qwen3.5; "

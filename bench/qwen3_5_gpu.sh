@@ -6,6 +6,8 @@
 #
 #   bash bench/qwen3_5_gpu.sh OUT RUN...      # RUN: lora:TOKENS or full:TOKENS, e.g. lora:131072 full:131072
 #   EXTRA="--offload_layers 20" bash bench/qwen3_5_gpu.sh OUT lora:524288    # flags added to every run
+#   MODEL=bench/configs/qwen3_5-35b-a3b bash bench/qwen3_5_gpu.sh OUT lora:131072  # Qwen3.5-MoE: LoRA on attention
+#                                                                                   # and DeltaNet (experts: none)
 #
 # With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4. The levers
 # are the ones measured (--fit off: every block offloaded and keeping attention's output, unless EXTRA says
@@ -13,7 +15,9 @@
 # of its own; a run cut by its timeout has that group ended, and nothing else.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); shift
+MODEL=${MODEL:-bench/configs/qwen3_5-9b}
 TARGETS=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
+case $MODEL in *a3b*) TARGETS=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj ;; esac
 for run in "$@"; do
     kind=${run%%:*}; tokens=${run#*:}
     case $kind in
@@ -21,10 +25,10 @@ for run in "$@"; do
         full) flags=(--param_dtype bfloat16 --stochastic_rounding true) ;;
         *) echo "unknown run $run: want lora:TOKENS or full:TOKENS" >&2; exit 2 ;;
     esac
-    name="q35_${kind}_$tokens"
+    name="q35$(basename "$MODEL" | grep -o -- '-35b-a3b')_${kind}_$tokens"
     # shellcheck disable=SC2086
     setsid timeout "${TIMEOUT:-$(( tokens < 100000 ? 300 : 480 ))}" python -m torch.distributed.run --standalone \
-        --nproc_per_node 1 train.py --model bench/configs/qwen3_5-9b --tokenizer byte --data synthetic \
+        --nproc_per_node 1 train.py --model "$MODEL" --tokenizer byte --data synthetic \
         --yarn_factor 0 --seq_len "$tokens" --max_steps 2 --fit off "${flags[@]}" ${EXTRA:-} \
         --checkpoints false --resume none --overwrite true --out_dir "/tmp/$name" > "$OUT/$name.log" 2>&1 &
     pid=$!; wait "$pid"; echo "$name rc $?" >> "$OUT/rc.txt"; kill -- "-$pid" 2>/dev/null

@@ -9,8 +9,10 @@ Each part runs forward and backward on its own inputs (random, fixed seed), time
 output written once, in the dtypes the layer uses) or its FLOPs at --gemm_tflops for the projections. The parts:
 the projections (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj), the causal conv, the elementwise work
 between the conv and the rule (SiLU, L2 norms, repeats, the decay and beta: GatedDeltaNet._rule_inputs), the rule
-(fla, or the torch rule with --kernel torch), and the gated norm (GatedDeltaNet._output without out_proj); then the
-whole layer, whose time less the projections' is what the cost model calls the DeltaNet term. A step runs the
+(fla, or the torch rule with --kernel torch; and in its context-parallel form, v padded with dk columns from a
+state, whose extra cost is what the span summaries cost against an all-to-all), and the gated norm
+(GatedDeltaNet._output without out_proj); then the whole layer, whose time less the projections' is what the cost
+model calls the DeltaNet term. A step runs the
 layer's forward three times over (forward, the recompute's forward, backward at about twice a forward), so the
 per-step share is about the forward + backward column plus one forward. Writes --out as JSON.
 """
@@ -74,6 +76,8 @@ def main():
         o = torch.randn(B, nv, T, dv, device=device, dtype=dtype)
     rule_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
     norm = ZeroCentredRMSNorm(H, cfg.rms_norm_eps).to(device, dtype).requires_grad_(False)
+    # what DeltaNetMixer.rule runs on each rank's first segments under cp: the state [0 | I] beside the values
+    cp_state = F.pad(torch.eye(dk, device=device).expand(B, nv, dk, dk), (dv, 0)).contiguous()
     with torch.no_grad():  # the candidate computes the same conv (bf16: rounded in another order)
         want = deltanet.causal_conv(F.pad(qkv, (0, 0, cfg.linear_conv_kernel_dim - 1, 0)), layer.conv1d.weight)
         torch.testing.assert_close(shifted_conv(qkv, layer.conv1d.weight), want, atol=2e-2, rtol=2e-2)
@@ -94,6 +98,9 @@ def main():
                                                            + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
         f"rule ({kernel})": (lambda *t: mixer.span_rule(*t, final=False)[0], rule_in,
                              3 * T * nv * (2 * dk + 2 * dv) * acc / a.bandwidth),
+        f"rule ({kernel}), cp form: v padded by dk columns, from a state": (
+            lambda *t: mixer.span_rule(*t[:2], F.pad(t[2], (0, dk)), *t[3:], cp_state)[0], rule_in,
+            3 * T * nv * (2 * dk + 2 * (dv + dk)) * acc / a.bandwidth),
         "conv, as K shifted multiply-adds (not used: for comparison)": (
             lambda t: shifted_conv(t, layer.conv1d.weight), [qkv.detach().requires_grad_()],
             3 * 2 * T * conv_dim * e / a.bandwidth),

@@ -12,6 +12,7 @@ relaunching the same command after any stop continues it with the same losses (m
 """
 import datetime
 import functools
+import gc
 import math
 import os
 import socket
@@ -392,6 +393,7 @@ def main(argv):
     except BaseException as e:
         stop_on_error(e, cfg, cp, rank, log, watchdog)
     watchdog.finished()
+    gc.collect()  # the FSDP2 model's reference cycles, freed while the interpreter lives (bench/NOTES.md, train.py)
     dist.destroy_process_group()
     sys.exit(code)
 

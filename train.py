@@ -76,8 +76,7 @@ class Setup:
 def build(cfg, given: set, cp: int, world: int, device, log) -> Setup:
     """One device mesh, ring attention over its cp groups, the model sharded over every rank and loaded."""
     torch.manual_seed(cfg.seed)
-    # A context-parallel group is cp consecutive ranks: one node when it fits
-    mesh = init_device_mesh(cfg.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    mesh = init_device_mesh(cfg.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))  # cp groups: consecutive ranks
     schedule = parallel.zigzag_schedule
     if cfg.packing != "concat":  # windows of documents: the ring computes only the blocks inside them
         from million import documents
@@ -147,9 +146,8 @@ def build_model(cfg, mcfg, path, mesh, attn_fn, device):
                      mlp_tile=cfg.mlp_tile if cfg.tiled_mlp else 0)
     if cfg.lora_rank:  # the last blocks keep their MLP's gate and up outputs for the backward
         lora.keep_mlp(model, count(True, cfg.keep_mlp_layers))
-    # FSDP2 over every rank, gathering the param_dtype shards as --dtype for compute. Its mesh is the world group
-    # as it is, not a flattened (dp, cp) mesh: that makes a process group whose teardown at exit can abort a gloo
-    # rank (bench/NOTES.md, train.py)
+    # FSDP2 over every rank, the param_dtype shards gathered as --dtype, on the world group as it is: a flattened
+    # (dp, cp) mesh makes a process group whose teardown at exit can abort a gloo rank (bench/NOTES.md, train.py)
     parallel.shard_model(model, DeviceMesh.from_group(dist.group.WORLD, cfg.device),
                          param_dtype=getattr(torch, cfg.dtype))
     model.to_empty(device=device)

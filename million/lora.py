@@ -288,9 +288,10 @@ class _GraphStart(torch.autograd.Function):
 def moe_targets_error(mcfg, targets, quantize: str = "") -> str | None:
     """A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) has adapters on its attention (and DeltaNet) projections only:
     the experts' stacked weights have none. One line saying what to pass, or None."""
-    allowed = ATTENTION + (DELTANET if getattr(mcfg, "layer_types", None) else ())
+    hybrid = bool(getattr(mcfg, "layer_types", None))  # Qwen3.5-MoE: DeltaNet layers beside attention
+    allowed = ATTENTION + (DELTANET if hybrid else ())
     if getattr(mcfg, "num_experts", 0) and (set(targets) - set(allowed) or quantize):
-        return (f"LoRA on a mixture of experts adapts {'attention and DeltaNet' if len(allowed) > 4 else 'attention'} "
+        return (f"LoRA on a mixture of experts adapts {'attention and DeltaNet' if hybrid else 'attention'} "
                 f"projections only (the experts have no adapters), in bf16: pass --lora_targets {','.join(allowed)} "
                 "and no --quantize")
     return None

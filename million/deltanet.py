@@ -107,7 +107,7 @@ def _fla_rule():
     gated kernel, whose dk, dbeta and dg feed dt_bias and A_log; so it keeps 2 warps here too."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, wy_fast
     tuner = getattr(wy_fast.prepare_wy_repr_bwd_kernel, "fn", None)  # triton.heuristics around the autotuner
-    if torch.cuda.get_device_capability()[0] == 9 and hasattr(tuner, "configs"):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hasattr(tuner, "configs"):
         tuner.configs = [c for c in tuner.configs if c.num_warps == 2] or tuner.configs
     return chunk_gated_delta_rule
 

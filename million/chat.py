@@ -11,6 +11,7 @@ line naming its file and line, and counted; a file that is not UTF-8 stops. The 
     python -m million.chat synthetic --seq_len 4096 --windows 3                        # text: windows of one stream
     python -m pytest tests/test_rows.py -q; pytest tests/e2e/test_conversations.py -q
 """
+import copy
 import functools
 import json
 import re
@@ -142,8 +143,12 @@ def _compile(template: str):
 def _as_template_sees_it(message: dict) -> dict:
     """A message as apply_chat_template passes it: keys holding null left out (a null content or tool_calls,
     from an API or a parquet struct, is absent), and reasoning under an older name ("thinking", "reasoning")
-    also given as reasoning_content, which Qwen3's template reads, and as thinking."""
+    also given as reasoning_content, which Qwen3's template reads, and as thinking. Content given as a list of
+    text parts (the OpenAI API's form) is their texts joined: what Qwen3.5's template renders of them, where
+    Qwen3's would render nothing."""
     m = {k: v for k, v in message.items() if v is not None}
+    if isinstance(m.get("content"), list):
+        m["content"] = "".join(part["text"] for part in m["content"])
     reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
     return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
 
@@ -168,6 +173,41 @@ def _render(template: str, messages: list, tools=None, add_generation_prompt=Fal
     if opened:
         raise RowError("the row holds U+F8F0, which marks the start of assistant text here")
     return "".join(text), sorted(spans)
+
+
+def _parsed_arguments(messages: list) -> list | None:
+    """The messages with each tool call's arguments that are a JSON object in a string (the OpenAI API's form)
+    parsed into that object; None when there is none."""
+    out, changed = copy.deepcopy(messages), False
+    for m in out:
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
+            fn = call.get("function", call) if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            try:
+                parsed = json.loads(args) if isinstance(args, str) else None
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                fn["arguments"], changed = parsed, True
+    return out if changed else None
+
+
+def _render_row(template: str, messages: list, tools, variables: dict):
+    """_render for a row; a template that fails is a RowError. One that fails on tool-call arguments given as a
+    JSON string gets them parsed and runs once more: Qwen3.5's iterates the arguments as a mapping (and so
+    does transformers' rendering, which fails there), where Qwen3's prints a string as it is."""
+    err = None
+    for attempt in (messages, _parsed_arguments(messages)):
+        if attempt is None:
+            break
+        try:
+            return _render(template, attempt, tools, False, **variables)
+        except RowError:
+            raise
+        except Exception as e:  # the template is code from the model's folder, run on this row's data
+            err = e
+    raise RowError(f"the chat template failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
 
 
 def render_chat(template: str, messages: list[dict], tools: list[dict] | None = None,
@@ -221,9 +261,16 @@ def _check_messages(messages) -> None:
             raise RowError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
         if content is None and not (role == "assistant" and m.get("tool_calls")):
             raise RowError(f"messages[{k}] ({role}) has no field 'content'")
-        if content is not None and not isinstance(content, str):
-            raise RowError(f"messages[{k}] ({role}): content is a {type(content).__name__}; only text (a string) "
-                           "is supported")
+        if isinstance(content, list):  # parts, as the OpenAI API sends them: text parts only
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type", "text") == "text"
+                        and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise RowError(f"messages[{k}] ({role}): a content part of type {kind!r}; only text parts "
+                                   "({\"type\": \"text\", \"text\": ...}) are supported")
+        elif content is not None and not isinstance(content, str):
+            raise RowError(f"messages[{k}] ({role}): content is a {type(content).__name__}; only text (a string "
+                           "or a list of text parts) is supported")
 
 
 def row_document(row: dict, tokenizer, *, chat_template: str | None = None, template_kwargs: dict | None = None,
@@ -265,12 +312,7 @@ def row_document(row: dict, tokenizer, *, chat_template: str | None = None, temp
         if chat_template is None:
             raise ValueError("a conversation row needs a chat template (chat_template=load_chat_template(folder))")
         variables = {**(template_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
-        try:
-            text, generated = _render(chat_template, messages, tools, False, **variables)
-        except RowError:
-            raise
-        except Exception as err:  # the template is code from the model's folder, run on this row's data
-            raise RowError(f"the chat template failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+        text, generated = _render_row(chat_template, messages, tools, variables)
         ids, offsets = encode_offsets(tokenizer, text)
         only_completion = kind == "prompt_completion" and completion_only_loss
         turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]

@@ -266,6 +266,58 @@ def test_prompt_completion_messages(hf, tok):
     assert every.sum() > trained.sum()
 
 
+# A template written here with two habits of Qwen3.5's: content given as a list of parts rendered as their texts
+# joined, and tool-call arguments iterated as a mapping (`|items`), on which a JSON string fails, in transformers too
+PARTS_AND_ITEMS = """{%- macro text(c) %}{%- if c is string %}{{- c }}{%- else %}{%- for p in c %}{{- p.text }}
+{%- endfor %}{%- endif %}{%- endmacro %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ text(m.content) if m.content is defined else '' }}{%- for call in m.tool_calls or [] %}
+{%- set f = call.function if call.function is defined else call %}<tool_call>
+<function={{ f.name }}>
+{%- for k, v in f.arguments|items %}<parameter={{ k }}>{{ v }}</parameter>{%- endfor %}
+</function></tool_call>{%- endfor %}<|im_end|>
+{% endfor %}"""
+
+
+def test_arguments_in_a_json_string_reach_a_template_that_iterates_them(hf, tok):
+    """Tool-call arguments as the OpenAI API sends them (a JSON string): Qwen3's template prints them as they are
+    (test_rendering_and_ids_match_apply_chat_template); one that iterates them (Qwen3.5's) fails on the string,
+    as transformers' rendering does, and gets them parsed: transformers' ids for the parsed messages. A string
+    that is not a JSON object still skips the row with the template's error."""
+    messages, tools, _ = CHATS["tools"]
+    parsed = json.loads(json.dumps(messages))
+    parsed[2]["tool_calls"][1]["function"]["arguments"] = {"city": "Rome"}
+    with pytest.raises(TypeError, match="mapping"):
+        hf.apply_chat_template(messages, tools=tools, chat_template=PARTS_AND_ITEMS, tokenize=False)
+    ids, trained = chat.row_document(row_of(messages, tools), tok, chat_template=PARTS_AND_ITEMS)
+    assert ids.tolist() == hf.apply_chat_template(parsed, tools=tools, chat_template=PARTS_AND_ITEMS)["input_ids"]
+    assert "<parameter=city>Rome</parameter>" in chat.marked(tok, ids, trained)
+    assert messages[2]["tool_calls"][1]["function"]["arguments"] == '{"city": "Rome"}'  # the row is not changed
+    parsed[2]["tool_calls"][1]["function"]["arguments"] = "city=Rome"
+    with pytest.raises(chat.RowError, match=r"^the chat template failed: TypeError: Can only get item pairs from a "
+                                            r"mapping\.$"):
+        chat.row_document(row_of(parsed, tools), tok, chat_template=PARTS_AND_ITEMS)
+
+
+def test_content_as_text_parts(hf, tok):
+    """Content as a list of text parts (the OpenAI API's form) is trained as their texts joined: what a template
+    that renders parts makes of them (transformers' ids for the parts themselves), and what Qwen3's template gets
+    (transformers' ids for the joined strings; given the list, Qwen3's template renders no content at all). A part
+    that is not text skips the row with one line."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"text": "Paris?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]}]
+    joined = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]
+    ids, trained = chat.row_document({"messages": parts}, tok, chat_template=QWEN3)
+    assert ids.tolist() == hf.apply_chat_template(joined, tokenize=True)["input_ids"]
+    assert chat.marked(tok, ids, trained).endswith("assistant\n[[<think>\n\n</think>\n\nSunny.<|im_end|>]]\n")
+    ids, _ = chat.row_document({"messages": parts}, tok, chat_template=PARTS_AND_ITEMS)
+    assert ids.tolist() == hf.apply_chat_template(parts, chat_template=PARTS_AND_ITEMS)["input_ids"]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}, joined[1]]
+    with pytest.raises(chat.RowError, match=r"^messages\[0\] \(user\): a content part of type 'image_url'; only "
+                                            r"text parts \(\{\"type\": \"text\", \"text\": \.\.\.\}\) are supported$"):
+        chat.row_document({"messages": image}, tok, chat_template=QWEN3)
+
+
 def test_a_byte_tokenizer_marks_characters_not_bytes():
     ids, offsets = chat.encode_offsets(data.ByteTokenizer(), "aé東")
     assert ids.tolist() == list("aé東".encode()) and offsets[:, 0].tolist() == [0, 1, 1, 2, 2, 2]

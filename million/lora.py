@@ -369,10 +369,13 @@ def nf4(w: torch.Tensor):
 def quantize(model):
     """After the base weights are loaded: each block projection's weight becomes an NF4Tensor (a buffer that
     checkpoints leave out: the base is reloaded from the model on resume). -> model."""
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, LoRALinear) and "weight" in m._buffers:
-            w = m._buffers.pop("weight")
-            m.register_buffer("weight", nf4(w), persistent=False)
+            try:
+                q = nf4(m._buffers["weight"])
+            except ValueError as e:  # every real Qwen3's and Qwen3.5's projections split into NF4's blocks
+                raise ValueError(f"--quantize nf4: {name}: {e}; this model takes LoRA without --quantize") from None
+            m.register_buffer("weight", q, persistent=False)
     return model
 
 

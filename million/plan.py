@@ -236,8 +236,8 @@ class Shape:
     @property
     def nf4_params(self):  # with --quantize nf4: the blocks' projections (not the experts, embedding or head)
         dense = self.layers - self.sparse_layers
-        return self.layers * self.attention_matmul_params + dense * 3 * self.hidden * self.intermediate \
-            if self.quantize else 0
+        return (self.attn_layers * self.attention_matmul_params + self.deltanet_layers * self.deltanet_matmul_params
+                + dense * 3 * self.hidden * self.intermediate) if self.quantize else 0
 
 
 def projection_widths(s: Shape) -> dict:
@@ -381,7 +381,8 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
 def frozen_bytes(s: Shape) -> float:
     """A LoRA run's frozen base per rank: act_bytes a parameter, sharded; with NF4 the blocks' projections at
     NF4_BYTES each, whole on every rank, and one of them dequantized while it runs."""
-    widest = max(s.hidden * s.heads * s.head_dim, s.hidden * s.intermediate) if s.quantize else 0
+    widest = max([s.hidden * (s.heads * s.head_dim * (2 if s.dn[0] else 1)), s.hidden * s.intermediate]
+                 + [i * o for i, o in deltanet_projections(s).values()]) if s.quantize else 0
     return ((s.params - s.nf4_params) * s.act_bytes / s.world + s.nf4_params * NF4_BYTES
             + widest * s.act_bytes)
 
@@ -523,14 +524,14 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         hints.append(f"--param_dtype bfloat16 --stochastic_rounding true (state {4 * s.param_bytes} -> 8 bytes per "
                      "parameter, updates kept on average)")
     if gpu_short and not s.lora_rank:  # LoRA or QLoRA, whichever fits the longer sequence (LoRA on a tie)
-        fit = [(s.seq_len if fits_with(x) else longest(x), q) for q in ("", "nf4")[:1 if s.dn[0] else 2]
-               for x in [s.lora_shape(quantize=q)]]  # (Qwen3.5 has no QLoRA)
+        fit = [(s.seq_len if fits_with(x) else longest(x), q) for q in ("", "nf4")[:1 if s.sparse_layers else 2]
+               for x in [s.lora_shape(quantize=q)]]  # (MoE: no QLoRA)
         length, q = max(fit, key=lambda f: (f[0] or 0, not f[1]))
         if length:
             hints.append(f"--lora_rank {LORA_HINT_RANK}" + (" --quantize nf4" if q else "")
                          + (f" --seq_len {length}" if length != s.seq_len else "")
                          + " (LoRA: the model frozen, only adapters trained)")
-    elif gpu_short and not s.quantize and not s.dn[0] and fits_with(replace(s, quantize="nf4")):
+    elif gpu_short and not s.quantize and not s.sparse_layers and fits_with(replace(s, quantize="nf4")):
         hints.append("--quantize nf4 (QLoRA: the frozen projections in 4 bits)")
     raise NoFit(f"no set of levers fits: the nearest (offload_layers {nearest.offload_layers}, keep_attention_layers "
                 f"{nearest.keep_attention_layers}) needs {c.gpu_gib:.1f} GiB of GPU memory per rank (plan limit "

@@ -503,9 +503,6 @@ def check_flags(cfg, model_type: str = "qwen3_5") -> str | None:
         why = lora.moe_targets_error(Qwen3_5MoeConfig(), lora.parse_targets(cfg.lora_targets), cfg.quantize)
         if why:
             return why
-    if cfg.quantize:
-        return (f"--quantize {cfg.quantize}: QLoRA is not supported for Qwen3.5 (its DeltaNet projections are not "
-                "tested in NF4); use --lora_rank without --quantize")
     try:
         resolve_kernel(getattr(cfg, "deltanet_kernel", "auto"))
     except ValueError as e:

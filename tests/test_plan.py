@@ -320,8 +320,8 @@ def q35_shape(seq_len, lora_rank=16, **kw):
 
 def test_qwen3_5_counts_are_the_models():
     """The hybrid's parameters, matmul parameters (every nn.Linear: gated q_proj, the DeltaNet projections, the
-    head) and LoRA adapters on all twelve projection kinds are the 9B model's own, built on meta; attention FLOPs
-    count its 8 attention layers, not 32."""
+    head), LoRA adapters on all twelve projection kinds and the NF4 share (QLoRA: every block projection) are the
+    9B model's own, built on meta; attention FLOPs count its 8 attention layers, not 32."""
     from million import lora
     from million.qwen3_5 import Qwen3_5
     mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-9b"))
@@ -335,6 +335,9 @@ def test_qwen3_5_counts_are_the_models():
         adapted = lora.apply(Qwen3_5(mcfg), 16, targets=Q35_TARGETS)
     assert q35_shape(131072).lora_params == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert s.lora_shape().lora_targets == Q35_TARGETS
+    nf4 = sum(x.weight.numel() for x in adapted.modules() if isinstance(x, lora.LoRALinear))
+    head = s.vocab * s.hidden
+    assert q35_shape(131072, quantize="nf4").nf4_params == nf4 == plan.matmul_params(s) - head
 
 
 def test_qwen3_5_moe_counts_are_the_models():
@@ -395,9 +398,9 @@ def test_qwen3_5_steps_are_predicted():
         assert c.host_gib == pytest.approx(host, rel=1e-3), (kind, tokens, c.host_gib, host)
 
 
-def test_qwen3_5_no_fit_never_suggests_qlora():
-    """Where no plan fits on one H200, the hint names a length that does and no --quantize nf4 (Qwen3.5 has no
-    QLoRA)."""
+def test_qwen3_5_no_fit_names_what_fits():
+    """Where no plan fits on one H200, the hint names a length that does. Host memory bounds the hybrid's length
+    there (what offload holds), so --quantize nf4, which saves GPU memory, fits no longer and is not suggested."""
     with pytest.raises(plan.NoFit) as e:
         plan.choose(q35_shape(786432), 139.7, 126)
     assert "--seq_len 393216" in str(e.value) and "nf4" not in str(e.value)

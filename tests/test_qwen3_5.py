@@ -482,6 +482,45 @@ def test_lora_matches_peft(levers, group_of_one, tmp_path):
         assert rel(p.grad, theirs[peft_name(n)].grad) < 2e-4, (n, rel(p.grad, theirs[peft_name(n)].grad))
 
 
+def test_qlora_is_lora_on_the_dequantized_model(group_of_one):
+    """--quantize nf4: every block projection (the gated attention's, the DeltaNet layers' and the MLPs') becomes an
+    NF4Tensor, and the model gives the loss, logits and adapter gradients of the float model whose projections are
+    the dequantized weights (fp32, within 1e-6), with every memory lever on. A shape whose projections split into
+    NF4's blocks (64 weights, their scales 16 blocks at least), as every Qwen3.5's do; one that does not stops with
+    one line naming the projection."""
+    from million import lora
+    from test_fa4 import rel
+    from test_lora import adapted
+    cfg = Qwen3_5Config.tiny(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+                             linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8)
+    q = lora.quantize(adapted(make_model(torch.float32, cfg), quantize="nf4"))
+    d = adapted(make_model(torch.float32, cfg))  # the same base and adapters, in float
+    nf4 = {n: m for n, m in q.named_modules() if isinstance(m, lora.LoRALinear)}
+    assert len(nf4) == 4 * 3 + 5 * 3 + 4 and all(type(m.weight).__name__ == "NF4Tensor" for m in nf4.values())
+    assert not any(n.endswith("proj.weight") or n.endswith("_proj_qkv.weight") for n in q.state_dict())
+    with torch.no_grad():
+        for name, m in nf4.items():
+            d.get_submodule(name).weight.copy_(m.weight.get_original_weight())
+    ids, labels = inputs()
+    out = {}
+    for key, m in (("nf4", q), ("float", d)):
+        m.attn_fn = RingAttention(group_of_one)
+        m.set_levers(offload=True, keep_attention=True, mlp_tile=50)
+        loss = m(ids, labels=labels, loss_chunk=97)
+        (loss.loss_sum / loss.n_valid).backward()
+        with torch.no_grad():
+            logits = m.logits(ids[:1, :64])
+        out[key] = (loss.loss_sum.item(), logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    (l0, x0, g0), (l1, x1, g1) = out["nf4"], out["float"]
+    assert abs(l0 / l1 - 1) < 1e-6 and set(g0) == set(g1) and len(g0) == 2 * 31, (l0, l1, len(g0))
+    torch.testing.assert_close(x0, x1, rtol=1e-6, atol=1e-6)
+    assert max(rel(g0[n], g1[n]) for n in g1) < 1e-6, max((rel(g0[n], g1[n]), n) for n in g1)
+    with pytest.raises(ValueError, match=r"^--quantize nf4: layers\.0\.linear_attn\.in_proj_qkv: NF4 needs weights of "
+                                         r"a multiple of 1024 elements; \(132, 48\) is not; this model takes LoRA "
+                                         r"without --quantize$"):
+        lora.quantize(adapted(make_model(torch.float32), quantize="nf4"))  # the default tiny shape
+
+
 def test_the_adapter_folder_loads_in_peft(tmp_path):
     """lora.save's PEFT folder for a Qwen3.5 (adapters on all twelve projection kinds, random A and B) loads with
     peft.PeftModel.from_pretrained over transformers' Qwen3_5ForCausalLM of the base and gives our logits (fp32,
@@ -703,10 +742,10 @@ def test_unsupported_model_type_is_refused(tmp_path):
 
 
 def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
-    """train.py's checks (config.check_config) on a local Qwen3.5 folder: QLoRA, and LoRA on a Qwen3.5-MoE's MLP
-    projections (its experts have no adapters), are refused in one line that names what to pass; a Qwen3.5 with
-    LoRA on the DeltaNet projections passes, and so does a Qwen3.5-MoE. LoRA targets that match no projection of
-    the model are refused by lora.apply."""
+    """train.py's checks (config.check_config) on a local Qwen3.5 folder: LoRA on a Qwen3.5-MoE's MLP projections
+    (its experts have no adapters), and QLoRA on it, are refused in one line that names what to pass; a Qwen3.5
+    with LoRA on the DeltaNet projections passes, with QLoRA too, and so does a Qwen3.5-MoE. LoRA targets that
+    match no projection of the model are refused by lora.apply."""
     from million import config, lora
     from model import Qwen3, Qwen3Config
     folder = tmp_path / "q"
@@ -727,8 +766,8 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
     assert moe == ("error: LoRA on a mixture of experts adapts attention and DeltaNet projections only (the experts "
                    "have no adapters), in bf16: pass --lora_targets q_proj,k_proj,v_proj,o_proj,in_proj_qkv,"
                    "in_proj_z,in_proj_b,in_proj_a,out_proj and no --quantize"), moe
-    nf4 = error("qwen3_5_text", "--lora_rank", "4", "--quantize", "nf4")
-    assert nf4.startswith("error: --quantize nf4: QLoRA is not supported for Qwen3.5") and "\n" not in nf4
+    assert error("qwen3_5_text", "--lora_rank", "4", "--quantize", "nf4") is None
+    assert error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj", "--quantize", "nf4") == moe
     from million.deltanet import fla_unavailable
     bad = error("qwen3_5_text", "--deltanet_kernel", "triton")
     assert bad == "error: --deltanet_kernel triton: use auto, fla or torch", bad

@@ -12,15 +12,15 @@ import torch
 from .test_train import run, same_steps
 
 
-def qwen3_5_folder(tmp_path):
+def qwen3_5_folder(tmp_path, **shape):
     """A folder with only a tiny Qwen3.5 config.json, written by transformers' config class: random init. 3 DeltaNet
-    layers and 1 attention layer, vocabulary 257 (the demo's byte tokenizer)."""
+    layers and 1 attention layer, vocabulary 257 (the demo's byte tokenizer); `shape` overrides the sizes."""
     from transformers import Qwen3_5TextConfig
     folder = tmp_path / "qwen3_5"
-    Qwen3_5TextConfig(vocab_size=257, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                      linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=10,
-                      max_position_embeddings=4096, initializer_range=0.05).save_pretrained(folder)
+    Qwen3_5TextConfig(**{**dict(vocab_size=257, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=10,
+                                max_position_embeddings=4096, initializer_range=0.05), **shape}).save_pretrained(folder)
     return str(folder)
 
 
@@ -98,6 +98,27 @@ def test_packed_documents_with_lora_at_cp_1_and_2(tmp_path):
               "--save_dir", str(tmp_path / "merged"))
     same_steps(cp1, cp2)
     assert all(r["docs"] > 3 for r in cp1), [r["docs"] for r in cp1]
+    assert_loads_in_transformers(str(tmp_path / "merged"))
+
+
+def test_qlora_killed_and_resumed_continues_exactly(tmp_path):
+    """--lora_rank 4 --quantize nf4 on a Qwen3.5 at cp 2 (every block projection in NF4: the gated attention's, the
+    DeltaNet layers' and the MLPs'; a shape whose projections split into NF4's blocks): killed mid-step and
+    relaunched, it gives the uninterrupted run's losses and grad norms bit for bit (the NF4 base rebuilt from the
+    model on resume); the merged export loads in transformers."""
+    from .test_long_runs import assert_same_run, launch, rows, steps
+    model = qwen3_5_folder(tmp_path, hidden_size=128, linear_num_value_heads=8, linear_key_head_dim=16,
+                           linear_value_head_dim=8)
+    args = ["--model", model, "--max_steps", "4", "--ckpt_every", "2", "--lora_rank", "4", "--quantize", "nf4"]
+    p = launch(2, tmp_path / "ref", *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "the base frozen in NF4" in p.stdout
+    assert launch(2, tmp_path / "run", *args, fault="kill:1:3").returncode != 0
+    assert steps(tmp_path / "run") == [2]
+    p = launch(2, tmp_path / "run", *args, "--save_dir", str(tmp_path / "merged"), "--merge_lora", "true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "after step 2" in p.stdout
+    assert_same_run(rows(tmp_path / "run"), rows(tmp_path / "ref"))
     assert_loads_in_transformers(str(tmp_path / "merged"))
 
 

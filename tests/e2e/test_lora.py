@@ -10,18 +10,13 @@ from million.hf import load_or_init_state_dict, save_hf
 from model import Qwen3, Qwen3Config
 
 
-def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
-    """train.py --lora_rank 4 --quantize nf4 on 2 ranks (cp 2, the tiled MLP, kept attention, the last block keeping
-    its MLP outputs): killed mid-step and relaunched, it gives the uninterrupted run's losses and grad norms bit
-    for bit; its checkpoints hold the adapters and their AdamW states only. The uninterrupted run's PEFT folder
-    over the dequantized base and the resumed run's merged export give the same logits (the same adapters,
-    exported both ways)."""
-    import peft
-    import transformers
+def killed_and_resumed(tmp_path, args, ref_args=()):
+    """train.py --lora_rank 4 --quantize nf4 (and args) for 4 steps on 2 ranks, a checkpoint every 2: uninterrupted
+    in tmp_path/ref (with ref_args), and in tmp_path/run killed in step 3, then relaunched to export the merged
+    model to tmp_path/merged. The relaunch resumes after step 2 and gives the uninterrupted run's steps exactly."""
     from .test_long_runs import assert_same_run, launch, rows, steps
-    args = ["--max_steps", "4", "--ckpt_every", "2", "--lora_rank", "4", "--quantize", "nf4", "--tiled_mlp", "true",
-            "--mlp_tile", "50", "--keep_mlp_layers", "1"]
-    p = launch(2, tmp_path / "ref", *args, "--save_dir", str(tmp_path / "adapter"))
+    args = ["--max_steps", "4", "--ckpt_every", "2", "--lora_rank", "4", "--quantize", "nf4", *args]
+    p = launch(2, tmp_path / "ref", *args, *ref_args)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "the base frozen in NF4" in p.stdout
     assert launch(2, tmp_path / "run", *args, fault="kill:1:3").returncode != 0
@@ -30,6 +25,18 @@ def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "after step 2" in p.stdout
     assert_same_run(rows(tmp_path / "run"), rows(tmp_path / "ref"))
+
+
+def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
+    """train.py --lora_rank 4 --quantize nf4 on 2 ranks (cp 2, the tiled MLP, kept attention, the last block keeping
+    its MLP outputs): killed mid-step and relaunched, it gives the uninterrupted run's losses and grad norms bit
+    for bit; its checkpoints hold the adapters and their AdamW states only. The uninterrupted run's PEFT folder
+    over the dequantized base and the resumed run's merged export give the same logits (the same adapters,
+    exported both ways)."""
+    import peft
+    import transformers
+    killed_and_resumed(tmp_path, ["--tiled_mlp", "true", "--mlp_tile", "50", "--keep_mlp_layers", "1"],
+                       ["--save_dir", str(tmp_path / "adapter")])
     from torch.distributed.checkpoint import FileSystemReader
     keys = FileSystemReader(str(tmp_path / "run" / "checkpoints" / "step_0000004")).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]

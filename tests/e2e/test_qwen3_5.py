@@ -106,19 +106,10 @@ def test_qlora_killed_and_resumed_continues_exactly(tmp_path):
     DeltaNet layers' and the MLPs'; a shape whose projections split into NF4's blocks): killed mid-step and
     relaunched, it gives the uninterrupted run's losses and grad norms bit for bit (the NF4 base rebuilt from the
     model on resume); the merged export loads in transformers."""
-    from .test_long_runs import assert_same_run, launch, rows, steps
+    from .test_lora import killed_and_resumed
     model = qwen3_5_folder(tmp_path, hidden_size=128, linear_num_value_heads=8, linear_key_head_dim=16,
                            linear_value_head_dim=8)
-    args = ["--model", model, "--max_steps", "4", "--ckpt_every", "2", "--lora_rank", "4", "--quantize", "nf4"]
-    p = launch(2, tmp_path / "ref", *args)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "the base frozen in NF4" in p.stdout
-    assert launch(2, tmp_path / "run", *args, fault="kill:1:3").returncode != 0
-    assert steps(tmp_path / "run") == [2]
-    p = launch(2, tmp_path / "run", *args, "--save_dir", str(tmp_path / "merged"), "--merge_lora", "true")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "after step 2" in p.stdout
-    assert_same_run(rows(tmp_path / "run"), rows(tmp_path / "ref"))
+    killed_and_resumed(tmp_path, ["--model", model])
     assert_loads_in_transformers(str(tmp_path / "merged"))
 
 

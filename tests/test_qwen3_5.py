@@ -661,20 +661,42 @@ def test_fla_model_matches_the_torch_model_under_the_interpreter(world, tmp_path
     GPU's (its outputs are off by 1e11); the GPU tests above check bf16. Skipped unless interpreting:
 
         pip install fla-core==0.6.0 triton==3.7.1
-        TRITON_INTERPRET=1 python -m pytest tests/test_qwen3_5.py -k interpreter -p no:xdist   # about 3 minutes
+        TRITON_INTERPRET=1 python -m pytest tests/test_qwen3_5.py -k interpreter -p no:xdist   # about 5 minutes
     """
     if not interpreting_fla():
         pytest.skip("runs fla on the CPU under Triton's interpreter: TRITON_INTERPRET=1 with fla-core installed")
     ranks = run_ranks(world, tmp_path, timeout=900, main=_fla_main)
     for docs in (None, DOCS):
-        model = make_model(torch.float32, attn_fn=documents.masked_attention)
+        got = [r[docs] for r in ranks]
+        assert_matches_the_torch_model(cp_unshard([r["hidden"] for r in got], 1, documents.cp_layout(world, docs)),
+                                       sum(r["loss_sum"] for r in got), [r["grads"] for r in got], docs)
+
+
+def test_fla_pieces_match_the_torch_model_under_the_interpreter():
+    """--deltanet_tile on fla's kernels (pieces of 50 tokens, each from the state the one before left), as above:
+    one device, fp32, one sequence and documents, the same tolerances."""
+    if not interpreting_fla():
+        pytest.skip("runs fla on the CPU under Triton's interpreter: TRITON_INTERPRET=1 with fla-core installed")
+    for docs in (None, DOCS):
+        model = make_model(torch.float32, attn_fn=documents.masked_attention, mixer=DeltaNetMixer(kernel="fla"))
+        for block in model.layers:
+            if block.linear:
+                block.linear_attn.tile = 50
         ids, labels, pos = doc_inputs() if docs else (*inputs(), None)
         hidden, nll = run(model, ids, labels, pos, docs)
-        got, where = [r[docs] for r in ranks], f"world {world}, docs {docs}"
-        assert rel(cp_unshard([r["hidden"] for r in got], 1, documents.cp_layout(world, docs)), hidden) < 1e-5, where
-        assert abs(sum(r["loss_sum"] for r in got).item() / nll.loss_sum.item() - 1) < 1e-5, where
-        errors = {n: rel(sum(r["grads"][n] for r in got), g) for n, g in grads(model).items()}
-        assert max(errors.values()) < 1e-4, (where, sorted(errors.items(), key=lambda e: -e[1])[:3])
+        assert_matches_the_torch_model(hidden, nll.loss_sum, [grads(model)], docs)
+
+
+def assert_matches_the_torch_model(hidden, loss_sum, rank_grads, docs):
+    """The final hidden states within 1e-5 in norm, the loss within 1e-5 and every gradient (summed over the ranks'
+    rank_grads) within 1e-4 in norm of the one-device fp32 model on the torch rule."""
+    model = make_model(torch.float32, attn_fn=documents.masked_attention)
+    ids, labels, pos = doc_inputs() if docs else (*inputs(), None)
+    want, nll = run(model, ids, labels, pos, docs)
+    assert rel(hidden, want) < 1e-5, docs
+    assert abs(loss_sum.item() / nll.loss_sum.item() - 1) < 1e-5, docs
+    errors = {n: rel(sum(g[n] for g in rank_grads), g) for n, g in grads(model).items()}
+    assert max(errors.values()) < 1e-4, (docs, sorted(errors.items(), key=lambda e: -e[1])[:3])
 
 
 # --- HF checkpoints -------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ apart per row by their keys. A conversation is rendered with the model's chat te
 apply_chat_template renders it (two forms of the OpenAI API, content as text parts and tool-call arguments in a
 JSON string, are also taken where that rendering would drop or refuse them), tokenized once, and only some tokens
 are trained on (by default each assistant turn's content and its <|im_end|>, or a prompt's completion). A row
-that cannot be trained on is skipped with one line naming its file and line, and counted; a file that is not UTF-8 stops. The documents go to data.WindowLoader
-(text rows only) or packing.PackedLoader, which packs each row as a document of its own.
+that cannot be trained on is skipped with one line naming its file and line, and counted; a file that is not
+UTF-8 stops. The documents go to data.WindowLoader (text rows only) or packing.PackedLoader, which packs each row
+as a document of its own.
 
     python -m million.chat chats.jsonl --tokenizer /path/to/Qwen3-8B --seq_len 32768   # trained tokens shown in [[ ]]
     python -m million.chat synthetic --seq_len 4096 --windows 3                        # text: windows of one stream

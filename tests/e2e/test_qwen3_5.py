@@ -52,6 +52,16 @@ def test_train_py_trains_qwen3_5_at_cp_1_and_2_and_exports_it(tmp_path):
         assert_loads_in_transformers(str(tmp_path / out))
 
 
+def test_data_parallel_and_context_parallel_together(tmp_path):
+    """4 ranks as 2 data-parallel groups of a cp 2 ring: the DeltaNet state and conv history cross only the ranks of
+    a ring (its cp group, not the world), so the run equals one rank accumulating the same 2 windows."""
+    model = qwen3_5_folder(tmp_path)
+    one = run(tmp_path, 1, "--model", model, "--cp", "1", "--grad_accum", "2")
+    dp2cp2 = run(tmp_path, 4, "--model", model, "--cp", "2")
+    same_steps(one, dp2cp2)
+    assert one[0]["num_tokens"] == 2 * 264
+
+
 def test_train_py_trains_qwen3_5_moe_at_cp_1_and_2_and_exports_it(tmp_path):
     """A tiny Qwen3.5-MoE (6 experts, top 2, a shared expert; the load-balancing loss on): cp 2 with the blocks
     offloaded and the experts tiled gives cp 1's losses, load-balancing terms and grad norms; the loss falls; the

@@ -216,9 +216,11 @@ class Shape:
         return self._params(self.moe_active_params)
 
     def lora_shape(self, rank=LORA_HINT_RANK, quantize="") -> "Shape":
-        """This shape with adapters of `rank` on every projection (lora.py's default targets)."""
-        return replace(self, lora_rank=rank, quantize=quantize,
-                       lora_targets=tuple(projection_widths(self)) + tuple(deltanet_projections(self)))
+        """This shape with adapters of `rank` on every projection lora.py adapts (a MoE's experts take none)."""
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        return replace(self, lora_rank=rank, quantize=quantize, lora_targets=tuple(
+            t for t in projection_widths(self) if not (self.sparse_layers and t in mlp))
+            + tuple(deltanet_projections(self)))
 
     @property
     def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer
@@ -529,6 +531,7 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         length, q = max(fit, key=lambda f: (f[0] or 0, not f[1]))
         if length:
             hints.append(f"--lora_rank {LORA_HINT_RANK}" + (" --quantize nf4" if q else "")
+                         + (f" --lora_targets {','.join(s.lora_shape().lora_targets)}" if s.sparse_layers else "")
                          + (f" --seq_len {length}" if length != s.seq_len else "")
                          + " (LoRA: the model frozen, only adapters trained)")
     elif gpu_short and not s.quantize and not s.sparse_layers and fits_with(replace(s, quantize="nf4")):

@@ -409,6 +409,22 @@ def test_qwen3_5_no_fit_names_what_fits():
     assert "--lora_rank 16" in str(e.value) and "nf4" not in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3_5-35b-a3b"])
+def test_a_moe_is_told_the_lora_it_takes(name):
+    """A mixture of experts whose full fine-tune fits no plan on one H200 is told LoRA with the targets lora.py
+    takes for it (attention, and DeltaNet on Qwen3.5-MoE; its experts have no adapters) and never --quantize nf4,
+    which it refuses; the plan it tried counted those adapters."""
+    import re
+    from million import lora
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", name))
+    with pytest.raises(plan.NoFit) as e:
+        plan.choose(plan.Shape.of(mcfg, 524288, 1, 1, 1, attn_backend="fa4"), 139.7, 126)
+    targets = re.search(r"--lora_rank 16 --lora_targets (\S+) ", str(e.value)).group(1).split(",")
+    assert "nf4" not in str(e.value) and lora.moe_targets_error(mcfg, targets) is None
+    assert plan.Shape.of(mcfg, 524288, 1, 1, 1).lora_shape().lora_targets == tuple(targets)
+    assert lora.moe_targets_error(mcfg, lora.TARGETS) is not None  # what the hint used to leave to the default
+
+
 def test_qwen3_5_deltanet_pieces_only_where_nothing_fits_whole():
     """--fit auto cuts the DeltaNet layers into pieces (deltanet_tile) only where no plan fits without: not at
     131,072 tokens on one H200, at 524,288 (which then fits, by prediction), never under context parallelism;

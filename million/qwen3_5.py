@@ -76,8 +76,19 @@ class Qwen3_5Config:
                 self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("query heads must be a multiple of KV heads, DeltaNet value heads of key heads")
 
-    # --yarn_factor: model.Qwen3Config's, which only replaces max_position_embeddings and rope_scaling
-    yarn_scaled = Qwen3Config.yarn_scaled
+    def yarn_scaled(self, factor: float, original: int) -> "Qwen3_5Config":
+        """--yarn_factor as for Qwen3 (model.Qwen3Config.yarn_scaled: max_position_embeddings and rope_scaling
+        replaced), refused from below the context this model was trained to: the flags' defaults are Qwen3's (32
+        over 32,768), and YaRN from 32,768 would squeeze positions a Qwen3.5 knows (262,144 in its config.json)."""
+        native = (self.rope_scaling or {}).get("original_max_position_embeddings", self.max_position_embeddings)
+        if original < native:
+            raise ValueError(
+                f"--yarn_original_max_position_embeddings {original} is below the {native:,} tokens this Qwen3.5 "
+                f"was trained to (its config.json): YaRN from there would squeeze positions it knows. Pass "
+                f"--yarn_factor {max(1.0, 1_048_576 / native):g} --yarn_original_max_position_embeddings {native} "
+                f"(to {max(native, 1_048_576):,} tokens; the factor scales with the length), or --yarn_factor 0 "
+                f"up to {native:,}")
+        return Qwen3Config.yarn_scaled(self, factor, original)
 
     @property
     def rotary_dim(self) -> int:
@@ -505,6 +516,8 @@ def check_flags(cfg, model_type: str = "qwen3_5") -> str | None:
             return why
     try:
         resolve_kernel(getattr(cfg, "deltanet_kernel", "auto"))
+        if cfg.yarn_factor and os.path.isdir(cfg.model):  # a hub id's: when train.py applies it, once downloaded
+            read_config(cfg.model).yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
     except ValueError as e:
         return str(e)
     return None

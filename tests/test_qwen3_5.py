@@ -129,7 +129,7 @@ def test_matches_transformers():
 def test_yarn_matches_transformers():
     """YaRN on the rotary quarter of each head (model.rope_inv_freq at the rotary dim) gives transformers' logits
     within 2e-6 in fp32; it changes them by ~0.1, so the comparison sees it."""
-    cfg = Qwen3_5Config.tiny().yarn_scaled(4.0, 64)
+    cfg = Qwen3_5Config.tiny(max_position_embeddings=64).yarn_scaled(4.0, 64)
     assert cfg.rope_scaling == {"factor": 4.0, "original_max_position_embeddings": 64}
     model, plain = make_model(torch.float32, cfg), make_model(torch.float32)
     ids, _ = inputs()
@@ -137,6 +137,28 @@ def test_yarn_matches_transformers():
         logits = model.logits(ids)
         torch.testing.assert_close(logits, hf_twin(model)(ids).logits, atol=2e-6, rtol=1e-5)
         assert (logits - plain.logits(ids)).abs().max() > 1e-2
+
+
+def test_yarn_stretches_from_the_context_the_model_was_trained_to(tmp_path):
+    """YaRN from below a Qwen3.5's own context (config.json's max_position_embeddings; the flags' defaults, 32 over
+    32,768, are Qwen3's) would squeeze positions it knows: train.py stops before any work with one line naming the
+    flags for 1,048,576 tokens. From that context it is taken, and so again from a YaRN export's original."""
+    from million import config
+    d = {**Qwen3_5Config.tiny().to_hf_dict(), "max_position_embeddings": 262144}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg, _ = config.parse_args(["--model", str(tmp_path), "--device", "cpu"])  # the default flags
+    with pytest.raises(SystemExit) as e:
+        config.check_config(cfg, 8)
+    assert e.value.code == (
+        "error: --yarn_original_max_position_embeddings 32768 is below the 262,144 tokens this Qwen3.5 was trained "
+        "to (its config.json): YaRN from there would squeeze positions it knows. Pass --yarn_factor 4 "
+        "--yarn_original_max_position_embeddings 262144 (to 1,048,576 tokens; the factor scales with the length), "
+        "or --yarn_factor 0 up to 262,144"), e.value.code
+    cfg.yarn_factor, cfg.yarn_original_max_position_embeddings = 4.0, 262144
+    config.check_config(cfg, 8)
+    scaled = read_config(str(tmp_path)).yarn_scaled(4.0, 262144)
+    assert scaled.max_position_embeddings == 1_048_576 and scaled.yarn_scaled(8.0, 262144).rope_scaling == {
+        "factor": 8.0, "original_max_position_embeddings": 262144}
 
 
 def norm_cases(dtype):

@@ -307,7 +307,8 @@ def test_no_fit_names_lora_qlora_and_a_length_that_fit():
 
 # --- Qwen3.5 ---------------------------------------------------------------------------------------------
 
-Q35_RUNS = os.path.join(ROOT, "bench", "results", "qwen3_5_fla_2026-12-04")
+Q35_RUNS = os.path.join(ROOT, "bench", "results", "qwen3_5_fla_2026-12-05")  # the fused norms'; the eager ones'
+# (qwen3_5_fla_2026-12-04) no longer describe the code
 Q35_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
                "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
@@ -365,28 +366,35 @@ def test_qwen3_5_moe_counts_are_the_models():
 
 
 def q35_runs():
-    """The measured steps: (kind, tokens, offloaded blocks, step s, peak GiB, pinned host GiB), step 2 of each."""
+    """The measured steps: (kind, tokens, offloaded blocks, DeltaNet pieces, step s, peak GiB, pinned host GiB),
+    the last step of each (the 524k run's only step, warm-up included)."""
     import json
     runs = []
-    for kind, tokens, offloaded in (("lora", 65536, 32), ("lora", 131072, 32), ("lora", 262144, 24),
-                                    ("full", 131072, 32)):
+    for kind, tokens, offloaded, tile in (("lora", 131072, 32, 0), ("full", 131072, 32, 0),
+                                          ("lora", 524288, 23, 16384)):
         with open(os.path.join(Q35_RUNS, f"q35_{kind}_{tokens}.metrics.jsonl")) as fh:
             row = [json.loads(line) for line in fh][-1]
-        assert row["step"] == 2
-        runs.append((kind, tokens, offloaded, row["step_time_s"], row["peak_mem_gib"], row["host_pinned_gib"]))
+        assert row["step"] == (1 if tile else 2)
+        runs.append((kind, tokens, offloaded, tile, row["step_time_s"], row["peak_mem_gib"], row["host_pinned_gib"]))
     return runs
 
 
 def test_qwen3_5_steps_are_predicted():
     """The DeltaNet constants are the 131k LoRA run's residual (its step and peak less the rest of the model), and
-    with them the other three runs are predicted: time within 5% (-0.4%, -1.9%, -4.3%), GPU peak within 9% (the
-    262k run's +8.4% the worst, on the safe side), pinned host exact (the offloaded blocks' inputs and the
-    attention layers' kept outputs: DeltaNet blocks keep none)."""
+    with them the other runs are predicted: the full fine-tune's time within 5% (-4.4%) and its GPU peak within 9%
+    (+6.1%, on the safe side); at 524,288 tokens in pieces of 16,384 the peak within 2% (+1.2%) and the time below
+    the one step measured, whose first-step warm-up (31 s at 131k) it does not count (213 s against 259 s);
+    pinned host exact in all (the offloaded blocks' inputs and the attention layers' kept outputs: DeltaNet blocks
+    keep none)."""
     k = plan.FITTED
-    for kind, tokens, offloaded, step_s, peak, host in q35_runs():
+    for kind, tokens, offloaded, tile, step_s, peak, host in q35_runs():
         s = q35_shape(tokens, **({} if kind == "lora" else dict(lora_rank=0, param_bytes=2, stochastic_rounding=True)))
-        lv = plan.Levers(offloaded, s.layers)
+        lv = plan.Levers(offloaded, s.layers, deltanet_tile=tile)
         c = plan.predict(s, lv)
+        if tile:
+            assert 0.75 < c.step_s / step_s < 1 and abs(c.gpu_gib / peak - 1) < 0.02, (c.step_s, c.gpu_gib, peak)
+            assert c.host_gib == pytest.approx(host, rel=1e-3), (c.host_gib, host)
+            continue
         if (kind, tokens) == ("lora", 131072):  # the fit: what the constants were read from
             rest = replace(k, deltanet_s_per_mtoken_layer=0.0, deltanet_work_bytes_per_token=0.0)
             per = (step_s - plan.step_seconds(s, lv, rest)) / (24 * tokens / 1e6)

@@ -214,22 +214,21 @@ def test_norms_match_transformers(dtype, tol):
 @pytest.mark.gpu
 def test_compiled_norms_match_eager():
     """On CUDA the norms' formulas run compiled (model.fused): forward and backward equal the same formulas run
-    eagerly on the same GPU within 1e-5 (fp32), at the 9B's gated-norm rows."""
+    eagerly on the same GPU within 1e-4 in norm (fp32), at the 9B's gated-norm rows. Not element-wise at 1e-5: the
+    weight's gradient sums 131,072 rows, in another order when compiled (5.4e-5 apart in one element, measured)."""
     from million import qwen3_5 as q35
     from model import fused
     x, z, dy = (torch.randn(4096, 32, 128, device="cuda") for _ in range(3))
     w = 1 + 0.5 * torch.randn(128, device="cuda")
-    y, rstd = q35._zc_norm(x, w, 1e-6)
-    for a, b in zip(fused(q35._zc_norm, x)(x, w, 1e-6), (y, rstd)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(fused(q35._zc_norm_backward, x)(dy, x, w, rstd), q35._zc_norm_backward(dy, x, w, rstd)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    y, rstd = q35._gated_norm(x, z, w, 1e-6)
-    for a, b in zip(fused(q35._gated_norm, x)(x, z, w, 1e-6), (y, rstd)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(fused(q35._gated_norm_backward, x)(dy, x, z, w, rstd),
-                    q35._gated_norm_backward(dy, x, z, w, rstd)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    pairs = [(fused(q35._zc_norm, x)(x, w, 1e-6), q35._zc_norm(x, w, 1e-6))]
+    rstd = pairs[-1][1][1]
+    pairs.append((fused(q35._zc_norm_backward, x)(dy, x, w, rstd), q35._zc_norm_backward(dy, x, w, rstd)))
+    pairs.append((fused(q35._gated_norm, x)(x, z, w, 1e-6), q35._gated_norm(x, z, w, 1e-6)))
+    rstd = pairs[-1][1][1]
+    pairs.append((fused(q35._gated_norm_backward, x)(dy, x, z, w, rstd), q35._gated_norm_backward(dy, x, z, w, rstd)))
+    for k, (compiled, eager) in enumerate(pairs):
+        for a, b in zip(compiled, eager):
+            assert a.shape == b.shape and rel(a, b) < 1e-4, (k, a.shape, rel(a, b))
 
 
 def naive_delta_rule(q, k, v, g, beta, state):

@@ -226,8 +226,15 @@ def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str
         return sd
     if path:
         warnings.warn(f"{path} has a config.json but no *.safetensors: random initialisation")
-    with torch.device(device):
+    with torch.device("meta"):  # allocated once, in dtype (not built in fp32 and cast: twice the bytes)
         ref = model_class(mcfg)(mcfg).to(dtype)
+    device = torch.device(device)
+    size = sum(p.numel() * p.element_size() for p in ref.parameters())
+    if device.type == "cuda" and size > 0.4 * torch.cuda.get_device_properties(device).total_memory:
+        # beside the model already placed there, a second copy would not fit (Qwen3.5-35B-A3B in bf16 on one
+        # H200): drawn on the CPU, a stream of its own, chosen by the model and GPU kind alone (any world size)
+        device = torch.device("cpu")
+    ref = ref.to_empty(device=device)
     ref.init_weights(torch.Generator(device).manual_seed(seed))
     return ref.state_dict()
 

@@ -245,12 +245,15 @@ class Qwen3(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator=None):
-        std = self.cfg.initializer_range
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=generator)
+            self.init_parameter(name, p, generator)
+
+    def init_parameter(self, name: str, p: torch.Tensor, generator=None):
+        """As transformers initialises: norms at 1, every matrix normal(0, initializer_range)."""
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, self.cfg.initializer_range, generator=generator)
 
     def set_levers(self, recompute: bool = True, offload: bool = False, mlp_tile: int = 0,
                    offload_layers: int | None = None, keep_attention: bool = False,

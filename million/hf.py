@@ -231,12 +231,23 @@ def load_or_init_state_dict(path: str | None, mcfg: Qwen3Config, names: list[str
     device = torch.device(device)
     size = sum(p.numel() * p.element_size() for p in ref.parameters())
     if device.type == "cuda" and size > 0.4 * torch.cuda.get_device_properties(device).total_memory:
-        # beside the model already placed there, a second copy would not fit (Qwen3.5-35B-A3B in bf16 on one
-        # H200): drawn on the CPU, a stream of its own, chosen by the model and GPU kind alone (any world size)
-        device = torch.device("cpu")
+        # beside the model already placed there, a second copy would not fit (Qwen3.5-35B-A3B in bf16 on one H200)
+        return draw_to_host(ref, seed, device)
     ref = ref.to_empty(device=device)
     ref.init_weights(torch.Generator(device).manual_seed(seed))
     return ref.state_dict()
+
+
+def draw_to_host(ref: torch.nn.Module, seed: int, device) -> dict:
+    """The weights of ref (a model on meta) as init_weights draws them on `device` from `seed`, the same numbers,
+    drawn a tensor at a time and each moved to host memory at once: the device never holds more than one. (The CPU's
+    generator, a single thread at a few hundred million numbers a second, would take minutes over 35 B.)"""
+    generator, drawn = torch.Generator(device).manual_seed(seed), {}
+    for name, p in ref.named_parameters():  # init_weights' order
+        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+        ref.init_parameter(name, t, generator)
+        drawn[p] = t.cpu()
+    return {name: drawn[p] for name, p in ref.named_parameters(remove_duplicate=False)}
 
 
 def write_safetensors(out_dir: str, tensors: dict, max_shard_bytes: int = HF_SHARD_BYTES):

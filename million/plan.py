@@ -70,6 +70,8 @@ class Constants:
                                         # kernels), beyond its projections' GEMMs and the per-token term
     deltanet_work_bytes_per_token: float = 0.0  # Qwen3.5: a DeltaNet block's working set in its recompute and
                                         # backward, per token (its projections' outputs and fla's buffers)
+    deltanet_cp_s_per_mtoken_layer: float = 0.0  # Qwen3.5 under cp: what the span summaries add to the first
+                                        # (each rank's rule runs with dk more value columns, from a state)
 
 
 FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark: cuDNN 539-555, FA4 621-622
@@ -86,7 +88,10 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark:
                    # Qwen3.5 9B on one H200, fla and FA4, LoRA r16 at 131,072 tokens with the fused norms: the
                    # step's time and peak less the rest of this model (bench/NOTES.md, "Qwen3.5's norms as one
                    # kernel each way"; with the eager norms the same fit gave 2.34 s and 318 KB)
-                   deltanet_s_per_mtoken_layer=1.365, deltanet_work_bytes_per_token=269e3)
+                   deltanet_s_per_mtoken_layer=1.365, deltanet_work_bytes_per_token=269e3,
+                   # bench/deltanet_layer.py on one H200 at 131,072 tokens (a rank's share of 1M on 8): fla's rule in
+                   # its cp form costs 70.9 ms a layer-step (forward, backward, one more forward) against 42.0 ms
+                   deltanet_cp_s_per_mtoken_layer=0.221)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
@@ -439,13 +444,14 @@ def tiled_deltanet_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float
 
 def deltanet_seconds(s: Shape, k: Constants = FITTED) -> float:
     """Qwen3.5's DeltaNet rule and conv in a step, at a rate per token and layer measured on one GPU. Under
-    context parallelism each rank's chunks run once with dk more value columns (deltanet.py's span summaries): the
-    rule's work grows by about (dv + dk) / dv; the all-gather of the summaries is a few MB, not counted."""
+    context parallelism each rank's rule runs with dk more value columns (deltanet.py's span summaries), at a rate
+    measured alone (the 9B's dk = dv = 128; other head dims are scaled by dk / dv, as the extra columns are); the
+    all-gather of the summaries is a few MB, not counted."""
     nk, nv, dk, dv, _ = s.dn
     if not nk:
         return 0.0
-    wider = (dv + dk) / dv if s.cp > 1 else 1.0
-    return k.deltanet_s_per_mtoken_layer * s.deltanet_layers * s.tokens / 1e6 * wider
+    summaries = k.deltanet_cp_s_per_mtoken_layer * dk / dv if s.cp > 1 else 0.0
+    return (k.deltanet_s_per_mtoken_layer + summaries) * s.deltanet_layers * s.tokens / 1e6
 
 
 def forward_seconds(s: Shape, k: Constants = FITTED) -> float:

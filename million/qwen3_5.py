@@ -477,17 +477,20 @@ class Qwen3_5(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator=None):
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p, generator)
+
+    def init_parameter(self, name: str, p: torch.Tensor, generator=None):
         """As transformers initialises: normal(0, initializer_range) matrices, zero-centred norms at 0, gated norms
         and dt_bias at 1, A = exp(A_log) uniform in [0.01, 16]."""
-        for name, p in self.named_parameters():
-            if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
-                p.fill_(1.0)
-            elif name.endswith("norm.weight"):
-                p.zero_()
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape, device=p.device).uniform_(0.01, 16, generator=generator).log())
-            else:
-                p.normal_(0.0, self.cfg.initializer_range, generator=generator)
+        if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+            p.fill_(1.0)
+        elif name.endswith("norm.weight"):
+            p.zero_()
+        elif name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(0.01, 16, generator=generator).log())
+        else:
+            p.normal_(0.0, self.cfg.initializer_range, generator=generator)
 
 
 class Qwen3_5Moe(moe.RouterLoss, Qwen3_5):

@@ -508,3 +508,20 @@ def test_load_or_init_state_dict_reads_or_draws_from_the_seed(tmp_path):
     for k, v in ref.state_dict().items():
         assert torch.equal(m.state_dict()[k], v), k
     assert all(p.requires_grad and p.device.type == "cpu" for p in m.parameters())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3 tied", "qwen3_5", "qwen3_5_moe"])
+def test_a_draw_a_tensor_at_a_time_is_the_whole_models(kind):
+    """hf.draw_to_host (a model too large to draw beside itself on its GPU) gives init_weights' numbers from the
+    same seed, under every state-dict name, a tied head included: tensor by tensor from the one generator."""
+    from million.qwen3_5 import Qwen3_5Config, Qwen3_5MoeConfig
+    cfg = {"qwen3": Qwen3Config.tiny(vocab_size=301), "qwen3 tied": Qwen3Config.tiny(tie_word_embeddings=True),
+           "qwen3_5": Qwen3_5Config.tiny(), "qwen3_5_moe": Qwen3_5MoeConfig.tiny()}[kind]
+    whole = H.load_or_init_state_dict(None, cfg, [], torch.bfloat16, 3, "cpu")
+    with torch.device("meta"):
+        ref = H.model_class(cfg)(cfg).to(torch.bfloat16)
+    each = H.draw_to_host(ref, 3, "cpu")
+    assert each.keys() == whole.keys() and len(whole) > 10
+    for k, v in whole.items():
+        assert each[k].device.type == "cpu" and each[k].dtype == v.dtype and torch.equal(each[k], v), k
+    assert not torch.equal(each[next(iter(each))], H.draw_to_host(ref, 4, "cpu")[next(iter(each))])

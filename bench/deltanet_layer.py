@@ -12,9 +12,11 @@ between the conv and the rule (SiLU, L2 norms, repeats, the decay and beta: Gate
 (fla, or the torch rule with --kernel torch; and in its context-parallel form, v padded with dk columns from a
 state, whose extra cost is what the span summaries cost against an all-to-all), and the gated norm
 (GatedDeltaNet._output without out_proj); then the whole layer, whose time less the projections' is what the cost
-model calls the DeltaNet term. A step runs the
-layer's forward three times over (forward, the recompute's forward, backward at about twice a forward), so the
-per-step share is about the forward + backward column plus one forward. Writes --out as JSON.
+model calls the DeltaNet term. One candidate is timed beside what the layer runs: the conv (as shifted
+multiply-adds) and the rule inputs as one torch.compile, against the conv and rule-input rows together (on one
+H200 they take 102 ms of the layer's 179 ms a layer-step, 7-13x their floors). A step runs the layer's forward
+three times over (forward, the recompute's forward, backward at about twice a forward), so the per-step share is
+about the forward + backward column plus one forward. Writes --out as JSON after each row.
 """
 import argparse
 import json
@@ -78,9 +80,13 @@ def main():
     norm = ZeroCentredRMSNorm(H, cfg.rms_norm_eps).to(device, dtype).requires_grad_(False)
     # what DeltaNetMixer.rule runs on each rank's first segments under cp: the state [0 | I] beside the values
     cp_state = F.pad(torch.eye(dk, device=device).expand(B, nv, dk, dk), (dv, 0)).contiguous()
-    with torch.no_grad():  # the candidate computes the same conv (bf16: rounded in another order)
-        want = deltanet.causal_conv(F.pad(qkv, (0, 0, cfg.linear_conv_kernel_dim - 1, 0)), layer.conv1d.weight)
-        torch.testing.assert_close(shifted_conv(qkv, layer.conv1d.weight), want, atol=2e-2, rtol=2e-2)
+    w = layer.conv1d.weight
+    fused_inputs = torch.compile(lambda x, t: layer._rule_inputs(x, shifted_conv(t, w), mixer))
+    with torch.no_grad():  # the candidates compute the same (bf16: rounded in another order)
+        want = deltanet.causal_conv(F.pad(qkv, (0, 0, cfg.linear_conv_kernel_dim - 1, 0)), w)
+        torch.testing.assert_close(shifted_conv(qkv, w), want, atol=2e-2, rtol=2e-2)
+        for got, ref in zip(fused_inputs(x, qkv), layer._rule_inputs(x, want.to(dtype), mixer)):
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     acc = q.element_size()
     parts = {
         # name: (forward, inputs, floor in seconds for forward + backward)
@@ -101,18 +107,20 @@ def main():
         f"rule ({kernel}), cp form: v padded by dk columns, from a state": (
             lambda *t: mixer.span_rule(*t[:2], F.pad(t[2], (0, dk)), *t[3:], cp_state)[0], rule_in,
             3 * T * nv * (2 * dk + 2 * (dv + dk)) * acc / a.bandwidth),
-        "conv, as K shifted multiply-adds (not used: for comparison)": (
-            lambda t: shifted_conv(t, layer.conv1d.weight), [qkv.detach().requires_grad_()],
-            3 * 2 * T * conv_dim * e / a.bandwidth),
+        "conv and rule inputs as one torch.compile (candidate)": (
+            fused_inputs, [x, qkv.detach().requires_grad_()],
+            3 * T * (H + 2 * conv_dim) * e / a.bandwidth + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
         "gated norm": (lambda o, x: layer.norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv)),
                        [o.requires_grad_(), x], 3 * 3 * T * nv * dv * e / a.bandwidth),
+        "the whole layer": (lambda x: layer(x, mixer), [x], None),
         "gated norm, eager autograd (before)": (
             lambda o, x: _gated_norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv), layer.norm.weight,
                                      layer.norm.eps)[0], [o, x], 3 * 3 * T * nv * dv * e / a.bandwidth),
         "zero-centred norm [T, hidden]": (lambda x: norm(x), [x], 3 * 2 * T * H * e / a.bandwidth),
         "zero-centred norm, eager autograd (before)": (lambda x: _zc_norm(x, norm.weight, norm.eps)[0], [x],
                                                         3 * 2 * T * H * e / a.bandwidth),
-        "the whole layer": (lambda x: layer(x, mixer), [x], None),
+        "conv, as K shifted multiply-adds (not used: for comparison)": (
+            lambda t: shifted_conv(t, w), [qkv.detach().requires_grad_()], 3 * 2 * T * conv_dim * e / a.bandwidth),
     }
     rows = []
     for name, (fn, inputs, floor) in parts.items():
@@ -122,8 +130,9 @@ def main():
         rows.append(dict(part=name, fwd_ms=round(fwd * 1e3, 2), fwd_bwd_ms=round(both * 1e3, 2),
                          floor_ms=None if floor is None else round(floor * 1e3, 2)))
         print(json.dumps(rows[-1]), flush=True)
-    whole = rows[-1]["fwd_bwd_ms"] + rows[-1]["fwd_ms"]
-    proj = rows[0]["fwd_bwd_ms"] + rows[0]["fwd_ms"]
+        write(a, device, T, kernel, dtype, rows)  # after each row: a run cut short keeps what it measured
+    step = {r["part"]: r["fwd_bwd_ms"] + r["fwd_ms"] for r in rows}
+    whole, proj = step["the whole layer"], step["projections"]
     print(f"\n{'part':48} {'fwd ms':>9} {'fwd+bwd ms':>11} {'floor ms':>9}")
     for r in rows:
         floor = float("nan") if r["floor_ms"] is None else r["floor_ms"]
@@ -132,12 +141,16 @@ def main():
     print(f"a step's share per layer (fwd + bwd + one more fwd), less the projections: {whole - proj:.1f} ms; x {n} "
           f"layers: {(whole - proj) * n / 1e3:.2f} s (the cost model's DeltaNet term at this length: "
           f"{plan.FITTED.deltanet_s_per_mtoken_layer * n * T / 1e6:.2f} s)")
+    print(f"wrote {write(a, device, T, kernel, dtype, rows)}")
+
+
+def write(a, device, T, kernel, dtype, rows) -> str:
     out = a.out or os.path.join(ROOT, "bench", "results", f"deltanet_layer{'_small' if a.small else ''}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as fh:
         json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", seq_len=T,
                        kernel=kernel, dtype=str(dtype), rows=rows), fh, indent=1)
-    print(f"wrote {out}")
+    return out
 
 
 def shifted_conv(x, weight):

@@ -70,8 +70,8 @@ class Constants:
                                         # kernels), beyond its projections' GEMMs and the per-token term
     deltanet_work_bytes_per_token: float = 0.0  # Qwen3.5: a DeltaNet block's working set in its recompute and
                                         # backward, per token (its projections' outputs and fla's buffers)
-    deltanet_cp_s_per_mtoken_layer: float = 0.0  # Qwen3.5 under cp: what the span summaries add to the first
-                                        # (each rank's rule runs with dk more value columns, from a state)
+    deltanet_cp_s_per_mtoken_layer: float = 0.0  # Qwen3.5 under cp: what the span summaries add to the rate
+                                        # above (each rank's rule runs with dk more value columns, from a state)
 
 
 FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark: cuDNN 539-555, FA4 621-622

@@ -12,9 +12,10 @@ between the conv and the rule (SiLU, L2 norms, repeats, the decay and beta: Gate
 (fla, or the torch rule with --kernel torch; and in its context-parallel form, v padded with dk columns from a
 state, whose extra cost is what the span summaries cost against an all-to-all), and the gated norm
 (GatedDeltaNet._output without out_proj); then the whole layer, whose time less the projections' is what the cost
-model calls the DeltaNet term. One candidate is timed beside what the layer runs: the conv (as shifted
+model calls the DeltaNet term. Candidates are timed beside what the layer runs: the conv (as shifted
 multiply-adds) and the rule inputs as one torch.compile, against the conv and rule-input rows together (on one
-H200 they take 102 ms of the layer's 179 ms a layer-step, 7-13x their floors). A step runs the layer's forward
+H200 they take 102 ms of the layer's 179 ms a layer-step, 7-13x their floors); with fla, fla's Triton conv on
+[B, T, C] as it lies, with and without its SiLU, against the conv row (F.conv1d on a transposed copy). A step runs the layer's forward
 three times over (forward, the recompute's forward, backward at about twice a forward), so the per-step share is
 about the forward + backward column plus one forward. Writes --out as JSON after each row.
 """
@@ -87,6 +88,8 @@ def main():
         torch.testing.assert_close(shifted_conv(qkv, w), want, atol=2e-2, rtol=2e-2)
         for got, ref in zip(fused_inputs(x, qkv), layer._rule_inputs(x, want.to(dtype), mixer)):
             torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        if kernel == "fla":
+            torch.testing.assert_close(fla_conv(qkv, w), want.to(dtype), atol=2e-2, rtol=2e-2)
     acc = q.element_size()
     parts = {
         # name: (forward, inputs, floor in seconds for forward + backward)
@@ -122,6 +125,11 @@ def main():
         "conv, as K shifted multiply-adds (not used: for comparison)": (
             lambda t: shifted_conv(t, w), [qkv.detach().requires_grad_()], 3 * 2 * T * conv_dim * e / a.bandwidth),
     }
+    if kernel == "fla":  # fla's Triton conv on [B, T, C] as it lies: no transposes
+        parts["conv, fla's causal_conv1d (candidate)"] = (lambda t: fla_conv(t, w), [qkv.detach().requires_grad_()],
+                                                          3 * 2 * T * conv_dim * e / a.bandwidth)
+        parts["conv with SiLU, fla's causal_conv1d (candidate)"] = (
+            lambda t: fla_conv(t, w, "silu"), [qkv.detach().requires_grad_()], 3 * 2 * T * conv_dim * e / a.bandwidth)
     rows = []
     for name, (fn, inputs, floor) in parts.items():
         with torch.no_grad():
@@ -159,6 +167,12 @@ def shifted_conv(x, weight):
     K = weight.shape[-1]
     xp = F.pad(x, (0, 0, K - 1, 0))
     return sum(xp[:, i:i + x.shape[1]] * weight[:, 0, i] for i in range(K))
+
+
+def fla_conv(x, weight, activation=None):
+    """The causal depthwise conv of x [B, T, C] (zeros before it) on fla's Triton kernel: a candidate for F.conv1d."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    return causal_conv1d(x, weight[:, 0], activation=activation)[0]
 
 
 def layer_params(layer) -> int:

@@ -5,7 +5,9 @@ a context-parallel group, for one sequence or a window of packed documents.
 Under context parallelism the state is carried across ranks with span summaries (DESIGN.md, "Qwen3.5"): over a span
 the state after is linear in the state before, S_out = M S_in + R (transformers' layout: S is [dk, dv], so M
 [dk, dk] multiplies from the left). Each rank summarises its chunks, the summaries are all-gathered, and a scan in
-sequence order gives every chunk the state it starts from.
+sequence order gives every chunk the state it starts from. Measured on an H200, the summaries cost 29 ms a layer-step
+at a rank's 131,072 tokens, less than the traffic of an all-to-all to head-parallel, Megatron-LM's way
+(bench/NOTES.md, "Span summaries or an all-to-all").
 
     python -m pytest tests/test_qwen3_5.py -q
 """

@@ -15,9 +15,10 @@ state, whose extra cost is what the span summaries cost against an all-to-all), 
 model calls the DeltaNet term. Candidates are timed beside what the layer runs: the conv (as shifted
 multiply-adds) and the rule inputs as one torch.compile, against the conv and rule-input rows together (on one
 H200 they take 102 ms of the layer's 179 ms a layer-step, 7-13x their floors); with fla, fla's Triton conv on
-[B, T, C] as it lies, with and without its SiLU, against the conv row (F.conv1d on a transposed copy). A step runs the layer's forward
-three times over (forward, the recompute's forward, backward at about twice a forward), so the per-step share is
-about the forward + backward column plus one forward. Writes --out as JSON after each row.
+[B, T, C] as it lies, with and without its SiLU, against the conv row (F.conv1d on a transposed copy). A step
+runs the layer's forward three times over (forward, the recompute's forward, backward at about twice a forward),
+so the per-step share is about the forward + backward column plus one forward. Writes --out as JSON after each
+row.
 """
 import argparse
 import json

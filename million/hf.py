@@ -246,8 +246,8 @@ def draw_to_host(ref: torch.nn.Module, seed: int, device) -> dict:
     for name, p in ref.named_parameters():  # init_weights' order
         t = torch.empty(p.shape, dtype=p.dtype, device=device)
         ref.init_parameter(name, t, generator)
-        drawn[p] = t.cpu()
-    return {name: drawn[p] for name, p in ref.named_parameters(remove_duplicate=False)}
+        drawn[name] = t.cpu()
+    return drawn
 
 
 def write_safetensors(out_dir: str, tensors: dict, max_shard_bytes: int = HF_SHARD_BYTES):

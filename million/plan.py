@@ -445,8 +445,8 @@ def tiled_deltanet_seconds(s: Shape, lv: Levers, k: Constants = FITTED) -> float
 def deltanet_seconds(s: Shape, k: Constants = FITTED) -> float:
     """Qwen3.5's DeltaNet rule and conv in a step, at a rate per token and layer measured on one GPU. Under
     context parallelism each rank's rule runs with dk more value columns (deltanet.py's span summaries), at a rate
-    measured alone (the 9B's dk = dv = 128; other head dims are scaled by dk / dv, as the extra columns are); the
-    all-gather of the summaries is a few MB, not counted."""
+    measured alone (the 9B's dk = dv = 128; other head dims are assumed, not measured, to scale it by dk / dv, as
+    the extra columns do); the all-gather of the summaries is a few MB, not counted."""
     nk, nv, dk, dv, _ = s.dn
     if not nk:
         return 0.0

@@ -475,10 +475,7 @@ class Qwen3_5(nn.Module):
             block.keep_attention = block.keep_attention and not block.linear
         return self
 
-    @torch.no_grad()
-    def init_weights(self, generator=None):
-        for name, p in self.named_parameters():
-            self.init_parameter(name, p, generator)
+    init_weights = Qwen3.init_weights  # each parameter in turn, by init_parameter
 
     def init_parameter(self, name: str, p: torch.Tensor, generator=None):
         """As transformers initialises: normal(0, initializer_range) matrices, zero-centred norms at 0, gated norms

@@ -513,7 +513,8 @@ def test_load_or_init_state_dict_reads_or_draws_from_the_seed(tmp_path):
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3 tied", "qwen3_5", "qwen3_5_moe"])
 def test_a_draw_a_tensor_at_a_time_is_the_whole_models(kind):
     """hf.draw_to_host (a model too large to draw beside itself on its GPU) gives init_weights' numbers from the
-    same seed, under every state-dict name, a tied head included: tensor by tensor from the one generator."""
+    same seed, under every state-dict name (a tied model's too, which has no head of its own): tensor by tensor
+    from the one generator."""
     from million.qwen3_5 import Qwen3_5Config, Qwen3_5MoeConfig
     cfg = {"qwen3": Qwen3Config.tiny(vocab_size=301), "qwen3 tied": Qwen3Config.tiny(tie_word_embeddings=True),
            "qwen3_5": Qwen3_5Config.tiny(), "qwen3_5_moe": Qwen3_5MoeConfig.tiny()}[kind]

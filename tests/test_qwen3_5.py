@@ -693,7 +693,7 @@ def test_fla_model_matches_the_torch_model_under_the_interpreter(world, tmp_path
     GPU's (its outputs are off by 1e11); the GPU tests above check bf16. Skipped unless interpreting:
 
         pip install fla-core==0.6.0 triton==3.7.1
-        TRITON_INTERPRET=1 python -m pytest tests/test_qwen3_5.py -k interpreter -p no:xdist   # about 5 minutes
+        TRITON_INTERPRET=1 python -m pytest tests/test_qwen3_5.py -k interpreter -p no:xdist   # about 7 minutes
     """
     if not interpreting_fla():
         pytest.skip("runs fla on the CPU under Triton's interpreter: TRITON_INTERPRET=1 with fla-core installed")

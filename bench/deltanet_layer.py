@@ -14,8 +14,9 @@ state, whose extra cost is what the span summaries cost against an all-to-all), 
 (GatedDeltaNet._output without out_proj); then the whole layer, whose time less the projections' is what the cost
 model calls the DeltaNet term. Candidates are timed beside what the layer runs: the conv (as shifted
 multiply-adds) and the rule inputs as one torch.compile, against the conv and rule-input rows together (on one
-H200 they take 102 ms of the layer's 179 ms a layer-step, 7-13x their floors); with fla, fla's Triton conv on
-[B, T, C] as it lies, with and without its SiLU, against the conv row (F.conv1d on a transposed copy). A step
+H200 they take 102 ms of the layer's 179 ms a layer-step, 7-13x their floors); the rule inputs alone as one
+torch.compile; with fla, fla's Triton conv on [B, T, C] as it lies, with and without its SiLU, against the conv
+row (F.conv1d on a transposed copy: what the layer runs without fla). --only picks parts by name. A step
 runs the layer's forward three times over (forward, the recompute's forward, backward at about twice a forward),
 so the per-step share is about the forward + backward column plus one forward. Writes --out as JSON after each
 row.
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--gemm_tflops", type=float, default=641.3, help="plan.py's fitted GEMM rate")
     ap.add_argument("--small", action="store_true", help="tiny dims, 512 tokens, on the CPU")
     ap.add_argument("--out", default=None, help="default bench/results/deltanet_layer.json (_small.json)")
+    ap.add_argument("--only", default="", help="comma-separated words: time only the parts whose names hold one")
     a = ap.parse_args()
     if a.small:
         cfg, a.seq_len, a.iters, a.kernel = Qwen3_5Config.tiny(), 512, 2, "torch"
@@ -84,11 +86,16 @@ def main():
     cp_state = F.pad(torch.eye(dk, device=device).expand(B, nv, dk, dk), (dv, 0)).contiguous()
     w = layer.conv1d.weight
     fused_inputs = torch.compile(lambda x, t: layer._rule_inputs(x, shifted_conv(t, w), mixer))
+    compiled_inputs = torch.compile(lambda x, t: layer._rule_inputs(x, t, mixer))
     with torch.no_grad():  # the candidates compute the same (bf16: rounded in another order)
         want = deltanet.causal_conv(F.pad(qkv, (0, 0, cfg.linear_conv_kernel_dim - 1, 0)), w)
         torch.testing.assert_close(shifted_conv(qkv, w), want, atol=2e-2, rtol=2e-2)
-        for got, ref in zip(fused_inputs(x, qkv), layer._rule_inputs(x, want.to(dtype), mixer)):
-            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        if chosen(a, "conv and rule inputs as one torch.compile (candidate)"):  # checked where timed
+            for got, ref in zip(fused_inputs(x, qkv), layer._rule_inputs(x, want.to(dtype), mixer)):
+                torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        if chosen(a, "rule inputs as one torch.compile (candidate)"):
+            for got, ref in zip(compiled_inputs(x, want.to(dtype)), layer._rule_inputs(x, want.to(dtype), mixer)):
+                torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
         if kernel == "fla":
             torch.testing.assert_close(fla_conv(qkv, w), want.to(dtype), atol=2e-2, rtol=2e-2)
     acc = q.element_size()
@@ -114,6 +121,9 @@ def main():
         "conv and rule inputs as one torch.compile (candidate)": (
             fused_inputs, [x, qkv.detach().requires_grad_()],
             3 * T * (H + 2 * conv_dim) * e / a.bandwidth + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
+        "rule inputs as one torch.compile (candidate)": (
+            compiled_inputs, [x, qkv.detach().requires_grad_()],
+            3 * T * (H + conv_dim) * e / a.bandwidth + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
         "gated norm": (lambda o, x: layer.norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv)),
                        [o.requires_grad_(), x], 3 * 3 * T * nv * dv * e / a.bandwidth),
         "the whole layer": (lambda x: layer(x, mixer), [x], None),
@@ -133,6 +143,8 @@ def main():
             lambda t: fla_conv(t, w, "silu"), [qkv.detach().requires_grad_()], 3 * 2 * T * conv_dim * e / a.bandwidth)
     rows = []
     for name, (fn, inputs, floor) in parts.items():
+        if not chosen(a, name):
+            continue
         with torch.no_grad():
             fwd = median_seconds(lambda: fn(*inputs), device, a.iters, 1)
         both = median_seconds(fwd_bwd(fn, *inputs), device, a.iters, 1)
@@ -141,16 +153,23 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
         write(a, device, T, kernel, dtype, rows)  # after each row: a run cut short keeps what it measured
     step = {r["part"]: r["fwd_bwd_ms"] + r["fwd_ms"] for r in rows}
-    whole, proj = step["the whole layer"], step["projections"]
     print(f"\n{'part':48} {'fwd ms':>9} {'fwd+bwd ms':>11} {'floor ms':>9}")
     for r in rows:
         floor = float("nan") if r["floor_ms"] is None else r["floor_ms"]
         print(f"{r['part']:48} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} {floor:9.2f}")
     n = cfg.layer_types.count("linear_attention")
+    if "the whole layer" not in step or "projections" not in step:
+        return print(f"wrote {write(a, device, T, kernel, dtype, rows)}")
+    whole, proj = step["the whole layer"], step["projections"]
     print(f"a step's share per layer (fwd + bwd + one more fwd), less the projections: {whole - proj:.1f} ms; x {n} "
           f"layers: {(whole - proj) * n / 1e3:.2f} s (the cost model's DeltaNet term at this length: "
           f"{plan.FITTED.deltanet_s_per_mtoken_layer * n * T / 1e6:.2f} s)")
     print(f"wrote {write(a, device, T, kernel, dtype, rows)}")
+
+
+def chosen(a, name) -> bool:
+    """Whether --only selects the part called name."""
+    return not a.only or any(word in name for word in a.only.split(","))
 
 
 def write(a, device, T, kernel, dtype, rows) -> str:

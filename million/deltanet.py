@@ -157,11 +157,7 @@ def disagreement(rule, heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2
                  "dbeta": (theirs[4].grad, mine[4].grad)}
         if from_state:
             pairs.update(state=(got_state, want_state), dstate=(theirs[5].grad, mine[5].grad))
-        for name, (a, b) in pairs.items():
-            err = ((a.double() - b.double()).norm() / b.double().norm()).item() if a is not None else float("inf")
-            err = err if math.isfinite(err) else float("inf")  # NaN: as wrong as it gets
-            if err > worst[0]:
-                worst = (err, f"{name} {'from a state' if from_state else 'from zero'}")
+        worst = max(worst, _worst(pairs, "from a state" if from_state else "from zero"))
     err, where = worst
     if err <= tol:
         return None
@@ -169,9 +165,44 @@ def disagreement(rule, heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2
             f"{err:.2g} in {where} (tolerance {tol:g})")
 
 
-def causal_conv(x, weight):
+def conv_disagreement(conv, channels, width, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300):
+    """`conv` (causal_conv on fla) against the torch conv in fp32 on the same inputs rounded to dtype, at a model's
+    conv channels and width, forward and backward for a random upstream gradient: None if the output and the
+    input's and weight's gradients are within tol in norm (bf16: about 2e-3), else a line naming the worst. Run at
+    start-up beside disagreement."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, width - 1 + length, channels, generator=gen, device=device).to(dtype)
+    w = (torch.randn(channels, 1, width, generator=gen, device=device) * 0.5).to(dtype)
+    dy = torch.randn(1, length, channels, generator=gen, device=device)
+    mine, theirs = ([t.detach().to(dt).requires_grad_() for t in (x, w)] for dt in (torch.float32, dtype))
+    want, got = causal_conv(*mine), conv(*theirs)
+    want.backward(dy)
+    got.backward(dy.to(got.dtype))
+    err, where = _worst({"y": (got, want), "dx": (theirs[0].grad, mine[0].grad), "dw": (theirs[1].grad, mine[1].grad)})
+    if err <= tol:
+        return None
+    return (f"the DeltaNet conv kernel differs from the torch conv at {channels} channels: relative error {err:.2g} "
+            f"in {where} (tolerance {tol:g})")
+
+
+def _worst(pairs, label=""):
+    """-> (the largest relative error in norm over pairs {name: (got, want)}, its name): inf for a missing or
+    non-finite one."""
+    worst = (0.0, "")
+    for name, (a, b) in pairs.items():
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item() if a is not None else float("inf")
+        err = err if math.isfinite(err) else float("inf")  # NaN: as wrong as it gets
+        worst = max(worst, (err, f"{name} {label}".strip()))
+    return worst
+
+
+def causal_conv(x, weight, kernel="torch"):
     """Depthwise conv over x [B, K - 1 + t, C] whose first K - 1 rows are the history -> [B, t, C] in weight's
-    dtype (before the activation); weight [C, 1, K]."""
+    dtype (before the activation); weight [C, 1, K]. kernel "fla": fla's Triton conv on x as it lies (F.conv1d
+    wants [B, C, T]: a transposed copy in, another out), its first K - 1 outputs dropped."""
+    if kernel == "fla":
+        from fla.modules.causal_conv1d import causal_conv1d
+        return causal_conv1d(x.to(weight.dtype), weight[:, 0])[0][:, weight.shape[-1] - 1:]
     return F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, groups=weight.shape[0]).transpose(1, 2)
 
 
@@ -278,7 +309,7 @@ class DeltaNetMixer:
                 if world > 1 and s0 == l0 and j > 0:  # the halo, kept where it lies in the same document
                     keep = torch.arange(j * c - K + 1, j * c, device=x.device) >= d
                     prefix = tail_of[j - 1] * keep[:, None].to(x.dtype)    # used even if all masked: see _AllGather
-                out.append(causal_conv(torch.cat([prefix, x[:, s0:s1]], 1), weight))
+                out.append(causal_conv(torch.cat([prefix, x[:, s0:s1]], 1), weight, self.kernel))
         return torch.cat(out, 1).to(x.dtype)
 
     def rule(self, q, k, v, g, beta, doc_lens=None):

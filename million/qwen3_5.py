@@ -384,8 +384,8 @@ class GatedDeltaNet(nn.Module):
         if tail is None:
             tail = qkv.new_zeros(qkv.shape[0], self.conv1d.weight.shape[-1] - 1, qkv.shape[2])
         qkv = torch.cat([tail, qkv], 1)
-        o, state = mixer.span_rule(*self._rule_inputs(x, causal_conv(qkv, self.conv1d.weight).to(x.dtype), mixer),
-                                   state, final=True)
+        conv = causal_conv(qkv, self.conv1d.weight, mixer.kernel).to(x.dtype)
+        o, state = mixer.span_rule(*self._rule_inputs(x, conv, mixer), state, final=True)
         return self._output(x, o), state, qkv[:, qkv.shape[1] - tail.shape[1]:]
 
 
@@ -540,9 +540,11 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
         # it picks here are the ones the run keeps
         gpu = torch.device("cuda", torch.cuda.current_device())
         with gpu:  # build runs under train.py's meta device: whatever the kernels allocate goes to the GPU
-            why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads,
-                                        mcfg.linear_key_head_dim, mcfg.linear_value_head_dim,
-                                        getattr(torch, cfg.dtype), gpu, length=16384)
+            dtype, dk, dv = getattr(torch, cfg.dtype), mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
+            why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads, dk, dv,
+                                        dtype, gpu, length=16384) or deltanet.conv_disagreement(
+                functools.partial(causal_conv, kernel="fla"), 2 * mcfg.linear_num_key_heads * dk
+                + mcfg.linear_num_value_heads * dv, mcfg.linear_conv_kernel_dim, dtype, gpu, length=16384)
         if why and cfg.deltanet_kernel == "fla":
             raise SharedError(f"error: --deltanet_kernel fla: {why}; pass --deltanet_kernel torch")
         kernel, slow = ("torch", why) if why else (kernel, None)

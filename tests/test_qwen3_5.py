@@ -260,7 +260,8 @@ def test_chunked_rule_matches_recurrence():
 
 def rel(a, b):
     """||a - b|| / ||b||, in fp64."""
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def rule_inputs(B, H, L, dk, dv, dtype, device, seed=0, state=True):
@@ -312,12 +313,20 @@ def fla_rule_errors(B, H, L, dk, dv, state, dtype, device) -> dict:
 @pytest.mark.parametrize("B, H, L, dk, dv, state", FLA_SHAPES)
 def test_fla_kernel_matches_the_torch_rule(B, H, L, dk, dv, state):
     """fla's Triton kernels in bf16 on the GPU against the torch rule: each error within 2e-2 in norm (bf16
-    operands: 1e-3 to 1e-2 expected)."""
+    operands: 1e-3 to 1e-2 expected). One known exception: on Hopper (fla 0.6, Triton 3.7.1), at dk 32 from a
+    state, dq, dk and dg come out wrong (measured on an H100: 1.0, 13 and 39) while the output, the state and the
+    other gradients agree (2e-3 to 4e-3); the same shape agrees within 7e-7 under Triton's interpreter. They come
+    from fla's chunk_bwd_kernel_dqkwg, which fla refuses on Hopper below Triton 3.7.1 for the same fault. No
+    Qwen3.5 has dk 32 (they have 128). That case is an expected failure, as long as only those three are off."""
     from million.deltanet import fla_unavailable
     if fla_unavailable():
         pytest.skip(f"fla: {fla_unavailable()}")
     errors = fla_rule_errors(B, H, L, dk, dv, state, torch.bfloat16, "cuda")
-    assert max(errors.values()) < 2e-2, errors
+    wrong = {n: f"{e:.2g}" for n, e in errors.items() if not e < 2e-2}
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if (dk, state) == (32, True) and hopper and wrong and set(wrong) <= {"dq", "dk", "dg"}:
+        pytest.xfail(f"fla 0.6 on Hopper at dk 32 from a state: {wrong}")
+    assert not wrong, errors
 
 
 @pytest.mark.gpu
@@ -331,6 +340,42 @@ def test_fla_keeps_two_warps_for_the_gated_wy_backward_on_hopper():
     from fla.ops.gated_delta_rule import wy_fast
     warps = {c.num_warps for c in wy_fast.prepare_wy_repr_bwd_kernel.fn.configs}
     assert warps == {2} if torch.cuda.get_device_capability()[0] == 9 else 2 in warps
+
+
+CONV_SHAPES = [(1, 300, 40), (2, 1003, 96), (1, 8195, 1536)]  # (B, t, C): odd lengths; the last, wide channels
+
+
+def fla_conv_errors(B, t, C, dtype, device) -> dict:
+    """deltanet.causal_conv on fla's Triton conv (x and weight in dtype) against F.conv1d in fp64 on the same
+    rounded inputs, K - 1 rows of history before t tokens, K = 4 (Qwen3.5's): the relative error in norm of the
+    output and of the input's and the weight's gradients, for a random upstream gradient."""
+    from million.deltanet import causal_conv
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, 3 + t, C, generator=gen).to(dtype)
+    w = (torch.randn(C, 1, 4, generator=gen) * 0.5).to(dtype)
+    dy = torch.randn(B, t, C, generator=gen)
+    want_in = [v.double().requires_grad_() for v in (x, w)]
+    got_in = [v.to(device).requires_grad_() for v in (x, w)]
+    want, got = causal_conv(*want_in), causal_conv(*got_in, "fla")
+    assert got.shape == want.shape and got.dtype == dtype
+    want.backward(dy.double())
+    got.backward(dy.to(device, dtype))
+    errors = {"y": rel(got, want), "dx": rel(got_in[0].grad, want_in[0].grad),
+              "dw": rel(got_in[1].grad, want_in[1].grad)}
+    print({n: f"{e:.1e}" for n, e in errors.items()}, flush=True)
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, t, C", CONV_SHAPES)
+def test_fla_conv_matches_the_torch_conv(B, t, C):
+    """fla's Triton conv in bf16 on the GPU against F.conv1d in fp64: output and gradients within 1e-2 in norm
+    (bf16 output and gradients; measured on an H100: 1.7e-3 to 2.4e-3)."""
+    from million.deltanet import fla_unavailable
+    if fla_unavailable():
+        pytest.skip(f"fla: {fla_unavailable()}")
+    errors = fla_conv_errors(B, t, C, torch.bfloat16, "cuda")
+    assert max(errors.values()) < 1e-2, errors
 
 
 def flalike(q, k, v, g, beta, state=None, final=True):
@@ -364,12 +409,25 @@ def test_the_start_up_check_stops_a_wrong_kernel():
                           "error inf in o from zero") and "\n" not in why, why
 
 
+def test_the_start_up_check_stops_a_wrong_conv():
+    """deltanet.conv_disagreement, run beside it, passes a conv that computes the causal conv in bf16 and names what
+    differs in one that does not: the taps reversed, no weight gradient."""
+    from million.deltanet import causal_conv, conv_disagreement
+    check = functools.partial(conv_disagreement, channels=40, width=4, device="cpu", length=150)
+    assert check(causal_conv) is None  # the inputs rounded to bf16, the conv in bf16 on the CPU
+    assert check(lambda x, w: causal_conv(x, w.flip(-1))).startswith(
+        "the DeltaNet conv kernel differs from the torch conv at 40 channels: relative error ")
+    assert "in dw (tolerance 0.02)" in check(lambda x, w: causal_conv(x, w.detach()) + 0 * w.sum())
+
+
 @pytest.mark.gpu
 def test_the_start_up_check_passes_fla_at_the_9b_head_dims():
-    from million.deltanet import disagreement, fla_chunk_gated_delta_rule, fla_unavailable
+    from million.deltanet import causal_conv, conv_disagreement, disagreement, fla_chunk_gated_delta_rule
+    from million.deltanet import fla_unavailable
     if fla_unavailable():
         pytest.skip(f"fla: {fla_unavailable()}")
     assert disagreement(fla_chunk_gated_delta_rule, 32, 128, 128) is None
+    assert conv_disagreement(functools.partial(causal_conv, kernel="fla"), 2 * 16 * 128 + 32 * 128, 4) is None
 
 
 @pytest.mark.gpu
@@ -713,6 +771,15 @@ def test_fla_kernel_matches_the_torch_rule_under_the_interpreter(B, H, L, dk, dv
         pytest.skip("needs TRITON_INTERPRET=1, fla-core 0.6 and Triton >= 3.7.1, and no GPU")
     errors = fla_rule_errors(B, H, L, dk, dv, state, torch.float32, "cpu")
     assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("B, t, C", CONV_SHAPES[:2])
+def test_fla_conv_matches_the_torch_conv_under_the_interpreter(B, t, C):
+    """fla's conv under Triton's interpreter in fp32 against F.conv1d in fp64: within 1e-6."""
+    if not interpreting_fla():
+        pytest.skip("needs TRITON_INTERPRET=1, fla-core 0.6 and Triton >= 3.7.1, and no GPU")
+    errors = fla_conv_errors(B, t, C, torch.float32, "cpu")
+    assert max(errors.values()) < 1e-6, errors
 
 
 def test_fla_pieces_match_the_torch_model_under_the_interpreter():

@@ -1,13 +1,20 @@
-"""Which autotune configs of fla's gated WY backward kernel (fla.ops.gated_delta_rule.wy_fast.
-prepare_wy_repr_bwd_kernel) compute right on this GPU: each config forced in turn, fla's rule against the torch rule
-(deltanet.disagreement) at the tiny GPU model test's head dims and at the 9B's.
+"""Which autotune configs of two of fla's gated backward kernels compute right on this GPU: each config forced in
+turn, fla's rule against the torch rule (deltanet.disagreement, tolerance 0: the worst error is printed).
 
-    python bench/fla_warps.py          # a GPU with fla-core 0.6 and Triton >= 3.7.1 (bench/gpu_wheels.sh)
+    python bench/fla_warps.py                   # the WY backward (wy_fast.prepare_wy_repr_bwd_kernel)
+    python bench/fla_warps.py --kernel dqkwg    # dq, dk, dg (common.chunk_o.chunk_bwd_kernel_dqkwg)
 
-deltanet._fla_rule keeps only the 2-warp configs on Hopper, as fla does for the ungated twin of this kernel, whose
-4-warp build Triton miscompiles on sm_90. This shows whether the gated kernel has the same fault: expected, the
-4-warp rows off by far more than bf16's 5e-3 in dk, dbeta or dg, and the 2-warp rows within it.
+A GPU with fla-core 0.6 and Triton >= 3.7.1 (bench/gpu_wheels.sh). Each row recompiles the kernel, so a row takes
+a minute or more.
+
+- wy: deltanet._fla_rule keeps only the 2-warp configs on Hopper, as fla does for the ungated twin of this kernel,
+  whose 4-warp build Triton miscompiles on sm_90. Expected, if the gated kernel has the same fault: the 4-warp
+  rows off by far more than bf16's 5e-3 in dk, dbeta or dg, the 2-warp rows within it.
+- dqkwg: on Hopper, at dk 32, dv 48, two sequences of 296 tokens from a state, fla's dq, dk and dg are wrong
+  (1.0, 13 and 39 on an H100; tests/test_qwen3_5.py) while one sequence of 4,096 tokens agrees (4.5e-3). The rows
+  vary the config, the batch and the length, to say which of them the fault follows.
 """
+import argparse
 import os
 import sys
 
@@ -17,21 +24,31 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from million import deltanet  # noqa: E402
 
+CASES = dict(wy=[(1, 4096, 6, 32, 48), (1, 4096, 32, 128, 128)],  # (batch, length, heads, dk, dv)
+             dqkwg=[(1, 296, 6, 32, 48), (2, 296, 6, 32, 48), (1, 4096, 6, 32, 48), (2, 4096, 6, 32, 48)])
+
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", default="wy", choices=sorted(CASES))
+    ap.add_argument("--warps", default="2,4", help="comma-separated num_warps to force")
+    a = ap.parse_args()
     if deltanet.fla_unavailable():
         sys.exit(f"fla_warps: {deltanet.fla_unavailable()}")
+    from fla.ops.common import chunk_o
     from fla.ops.gated_delta_rule import wy_fast
     deltanet._fla_rule()  # its filter first, so that it leaves the configs forced below alone
-    tuner = wy_fast.prepare_wy_repr_bwd_kernel.fn
-    print(torch.cuda.get_device_name(), "Triton", triton.__version__)
-    for warps in (2, 4):
+    kernel = dict(wy=wy_fast.prepare_wy_repr_bwd_kernel, dqkwg=chunk_o.chunk_bwd_kernel_dqkwg)[a.kernel]
+    tuner = kernel.fn  # triton.heuristics around the autotuner
+    print(torch.cuda.get_device_name(), "Triton", triton.__version__, "kernel", a.kernel, flush=True)
+    for warps in (int(w) for w in a.warps.split(",")):
         for stages in (2, 3, 4):
             tuner.configs = [triton.Config({}, num_warps=warps, num_stages=stages)]
             tuner.cache.clear()  # the choice made for the previous config
-            for heads, dk, dv in ((6, 32, 48), (32, 128, 128)):
-                line = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, heads, dk, dv, tol=0, length=4096)
-                print(f"num_warps {warps} num_stages {stages} heads {heads} dk {dk} dv {dv}: {line}", flush=True)
+            for batch, length, heads, dk, dv in CASES[a.kernel]:
+                line = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, heads, dk, dv, tol=0,
+                                             length=length, batch=batch)
+                print(f"num_warps {warps} num_stages {stages} batch {batch} length {length}: {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -127,21 +127,23 @@ def fla_chunk_gated_delta_rule(q, k, v, g, beta, state=None, final=True):
     return o.transpose(1, 2), state
 
 
-def disagreement(rule, heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300):
+def disagreement(rule, heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300, batch=1):
     """`rule` (fla_chunk_gated_delta_rule) against the torch rule in fp32 on the same inputs rounded to dtype, at a
     model's head dims and in both ways the mixer calls it (from zero, the final state dropped; from a state, the
     final state used), forward and backward for random upstream gradients: None if every output and gradient is
     within tol of the torch rule's in norm (bf16 lands near 5e-3), else a line naming the worst. Run once at
-    start-up, so that a kernel wrong at some shape, or on some Triton, stops a run instead of training it wrongly."""
+    start-up, so that a kernel wrong at some shape, or on some Triton, stops a run instead of training it wrongly.
+    batch: sequences side by side (train.py's micro-batches hold one)."""
     gen = torch.Generator(device=device).manual_seed(0)
     n = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
     worst = (0.0, "")
     for from_state in (False, True):
-        q = l2norm(n(1, heads, length, dk)) * dk ** -0.5
-        x = [t.to(dtype) for t in (q, l2norm(n(1, heads, length, dk)), n(1, heads, length, dv))]
-        x += [-0.2 * torch.rand(1, heads, length, generator=gen, device=device), n(1, heads, length).sigmoid()]
+        q = l2norm(n(batch, heads, length, dk)) * dk ** -0.5
+        x = [t.to(dtype) for t in (q, l2norm(n(batch, heads, length, dk)), n(batch, heads, length, dv))]
+        x += [-0.2 * torch.rand(batch, heads, length, generator=gen, device=device),
+              n(batch, heads, length).sigmoid()]
         x[4] = x[4].to(dtype)
-        s0 = n(1, heads, dk, dv) if from_state else None
+        s0 = n(batch, heads, dk, dv) if from_state else None
         mine = [t.detach().float().requires_grad_() for t in x] + [s0]
         theirs = [t.detach().requires_grad_() for t in x] + [None if s0 is None else s0.clone().requires_grad_()]
         if from_state:

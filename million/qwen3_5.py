@@ -94,6 +94,11 @@ class Qwen3_5Config:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def linear_conv_dim(self) -> int:  # a DeltaNet layer's conv channels: [q | k | v]
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
     @classmethod
     def tiny(cls, **kw) -> "Qwen3_5Config":
         """Small and awkward, for tests: 3 DeltaNet layers and 1 attention layer, 5 query heads on 1 KV head, 3 key
@@ -313,7 +318,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
+        conv_dim = cfg.linear_conv_dim
         self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(cfg.hidden_size, self.nv * self.dv, bias=False)
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.nv, bias=False)
@@ -540,11 +545,12 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
         # it picks here are the ones the run keeps
         gpu = torch.device("cuda", torch.cuda.current_device())
         with gpu:  # build runs under train.py's meta device: whatever the kernels allocate goes to the GPU
-            dtype, dk, dv = getattr(torch, cfg.dtype), mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
-            why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads, dk, dv,
-                                        dtype, gpu, length=16384) or deltanet.conv_disagreement(
-                functools.partial(causal_conv, kernel="fla"), 2 * mcfg.linear_num_key_heads * dk
-                + mcfg.linear_num_value_heads * dv, mcfg.linear_conv_kernel_dim, dtype, gpu, length=16384)
+            dtype = getattr(torch, cfg.dtype)
+            why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads,
+                                        mcfg.linear_key_head_dim, mcfg.linear_value_head_dim, dtype, gpu,
+                                        length=16384) or deltanet.conv_disagreement(
+                functools.partial(causal_conv, kernel="fla"), mcfg.linear_conv_dim, mcfg.linear_conv_kernel_dim,
+                dtype, gpu, length=16384)
         if why and cfg.deltanet_kernel == "fla":
             raise SharedError(f"error: --deltanet_kernel fla: {why}; pass --deltanet_kernel torch")
         kernel, slow = ("torch", why) if why else (kernel, None)

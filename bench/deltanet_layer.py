@@ -12,10 +12,10 @@ between the conv and the rule (SiLU, L2 norms, repeats, the decay and beta: Gate
 (fla, or the torch rule with --kernel torch; and in its context-parallel form, v padded with dk columns from a
 state, whose extra cost is what the span summaries cost against an all-to-all), and the gated norm
 (GatedDeltaNet._output without out_proj); then the whole layer, whose time less the projections' is what the cost
-model calls the DeltaNet term. Candidates are timed beside what the layer runs: the conv (as shifted
-multiply-adds) and the rule inputs as one torch.compile, against the conv and rule-input rows together (on one
-H200 they take 102 ms of the layer's 179 ms a layer-step, 7-13x their floors); the rule inputs alone as one
-torch.compile; with fla, fla's Triton conv on [B, T, C] as it lies, with and without its SiLU, against the conv
+model calls the DeltaNet term. The rule inputs are one torch.compile on CUDA in the layer (model.fused), timed
+beside their eager form (before). Candidates are timed beside what the layer runs: the conv (as shifted
+multiply-adds) and the rule inputs as one torch.compile, against the conv and rule-input rows together; with fla,
+fla's Triton conv on [B, T, C] as it lies (what the layer runs on fla), with and without its SiLU, against the conv
 row (F.conv1d on a transposed copy: what the layer runs without fla). --only picks parts by name. A step
 runs the layer's forward three times over (forward, the recompute's forward, backward at about twice a forward),
 so the per-step share is about the forward + backward column plus one forward. Writes --out as JSON after each
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from million import deltanet, plan  # noqa: E402
-from million.qwen3_5 import GatedDeltaNet, Qwen3_5Config, ZeroCentredRMSNorm, _gated_norm, _zc_norm  # noqa: E402
+from million.qwen3_5 import (GatedDeltaNet, Qwen3_5Config, ZeroCentredRMSNorm, _gated_norm, _rule_inputs,  # noqa: E402
+                             _zc_norm)
 from ring_sim import median_seconds  # noqa: E402
 
 
@@ -85,16 +86,18 @@ def main():
     # what DeltaNetMixer.rule runs on each rank's first segments under cp: the state [0 | I] beside the values
     cp_state = F.pad(torch.eye(dk, device=device).expand(B, nv, dk, dk), (dv, 0)).contiguous()
     w = layer.conv1d.weight
-    fused_inputs = torch.compile(lambda x, t: layer._rule_inputs(x, shifted_conv(t, w), mixer))
-    compiled_inputs = torch.compile(lambda x, t: layer._rule_inputs(x, t, mixer))
+    def eager_inputs(x, t):  # GatedDeltaNet._rule_inputs with its elementwise part eager, as before 2026-12-05
+        return _rule_inputs(t, layer.in_proj_a(x), layer.in_proj_b(x), layer.A_log, layer.dt_bias, layer.nk,
+                            layer.dk, mixer.dtype(dtype))
+    fused_inputs = torch.compile(lambda x, t: eager_inputs(x, shifted_conv(t, w)))
     with torch.no_grad():  # the candidates compute the same (bf16: rounded in another order)
         want = deltanet.causal_conv(F.pad(qkv, (0, 0, cfg.linear_conv_kernel_dim - 1, 0)), w)
         torch.testing.assert_close(shifted_conv(qkv, w), want, atol=2e-2, rtol=2e-2)
         if chosen(a, "conv and rule inputs as one torch.compile (candidate)"):  # checked where timed
             for got, ref in zip(fused_inputs(x, qkv), layer._rule_inputs(x, want.to(dtype), mixer)):
                 torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-        if chosen(a, "rule inputs as one torch.compile (candidate)"):
-            for got, ref in zip(compiled_inputs(x, want.to(dtype)), layer._rule_inputs(x, want.to(dtype), mixer)):
+        if chosen(a, "rule inputs"):
+            for got, ref in zip(layer._rule_inputs(x, want.to(dtype), mixer), eager_inputs(x, want.to(dtype))):
                 torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
         if kernel == "fla":
             torch.testing.assert_close(fla_conv(qkv, w), want.to(dtype), atol=2e-2, rtol=2e-2)
@@ -121,8 +124,8 @@ def main():
         "conv and rule inputs as one torch.compile (candidate)": (
             fused_inputs, [x, qkv.detach().requires_grad_()],
             3 * T * (H + 2 * conv_dim) * e / a.bandwidth + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
-        "rule inputs as one torch.compile (candidate)": (
-            compiled_inputs, [x, qkv.detach().requires_grad_()],
+        "rule inputs, eager (before)": (
+            eager_inputs, [x, qkv.detach().requires_grad_()],
             3 * T * (H + conv_dim) * e / a.bandwidth + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
         "gated norm": (lambda o, x: layer.norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv)),
                        [o.requires_grad_(), x], 3 * 3 * T * nv * dv * e / a.bandwidth),

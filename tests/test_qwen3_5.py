@@ -586,14 +586,15 @@ def test_deltanet_tile_refuses_context_parallelism(group_of_one, monkeypatch):
 
 # --- LoRA ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("levers", [dict(recompute=False), dict(offload=True, keep_attention=True, mlp_tile=50)],
-                         ids=["none", "all"])
+@pytest.mark.parametrize("levers", [dict(recompute=False), dict(offload=True, keep_attention=True, mlp_tile=50,
+                                                                keep_mlp_layers=2)], ids=["none", "all"])
 def test_lora_matches_peft(levers, group_of_one, tmp_path):
     """lora.apply on every target (the gated attention's, the DeltaNet layers' and the MLPs' projections) against
     PEFT on transformers' Qwen3_5ForCausalLM with the same adapter values (random A and B), fp32: the mean loss within
     1e-6 relative, every adapter's gradient within 2e-4 (relative norm; fp32 rounding through the two chunked delta
     rules, summed in different orders: up to 7e-5 measured, in layer 0; a missing scale or adapter gives > 1e-2),
-    and PEFT adapted the same projections; with every memory lever on as well."""
+    and PEFT adapted the same projections; with every memory lever on as well (the last two blocks keeping their
+    MLP's gate and up outputs: one DeltaNet block, one attention block)."""
     import peft
     from transformers import AutoModelForCausalLM
     from million import lora
@@ -602,7 +603,11 @@ def test_lora_matches_peft(levers, group_of_one, tmp_path):
     save_pretrained(make_model(torch.float32), tmp_path)
     pm = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), peft.LoraConfig(
         r=RANK, lora_alpha=ALPHA, target_modules=list(lora.TARGETS), lora_dropout=0.0))
+    levers = dict(levers)
+    kept = levers.pop("keep_mlp_layers", 0)
     m = adapted(make_model(torch.float32, attn_fn=RingAttention(group_of_one)), lora.TARGETS).set_levers(**levers)
+    lora.keep_mlp(m, kept)
+    assert [b.mlp.keep for b in m.layers] == [False] * (4 - kept) + [True] * kept
     theirs = {n: p for n, p in pm.named_parameters() if p.requires_grad}
     ours = {n: p for n, p in m.named_parameters() if p.requires_grad}
     assert {peft_name(n) for n in ours} == set(theirs) and len(ours) == 2 * (3 * 5 + 4 + 4 * 3)

@@ -5,7 +5,9 @@ examples/sft_qwen3_8b_1m_context/ in huggingface/trl; Qwen3-8B at 1,048,576 toke
 56.2 GB/GPU), with its settings given here in code instead of an accelerate YAML:
 
 - `trl.SFTTrainer` on `transformers.Qwen3ForCausalLM` built from bench/configs/<model>/config.json (random init,
-  no weights), attention "sdpa" (the only one accelerate's context parallelism takes);
+  no weights), attention "sdpa" (the only one accelerate's context parallelism takes); or, for a Qwen3.5 config
+  (qwen3_5_text, or qwen3_5's text_config), `Qwen3_5ForCausalLM` on one GPU, its DeltaNet layers on fla's kernels
+  where fla imports (the JSON's versions say): no CP, which TRL refuses for this model;
 - FSDP2 (`fsdp_config` version 2, TRANSFORMER_BASED_WRAP of Qwen3DecoderLayer, reshard after forward) and context
   parallelism (`accelerate.ParallelismConfig(cp_size=--cp)`: torch's experimental `context_parallel`, the
   sequence split over the cp ranks with load balancing, K/V all-gathered, "allgather" rotation);
@@ -50,6 +52,10 @@ Written against trl 1.16.0, transformers 5.17.0 and accelerate 1.15.0. Run on 2 
     # one H200, PEFT LoRA r 16 on every linear beside train.py's --lora_rank 16 (bench/RESULTS.md, LoRA):
     python bench/reference_trl.py --model bench/configs/qwen3-8b --seq_len 131072 --cp 1 --steps 2 --lora_rank 16 \\
         --out bench/results/reference_trl_peft_8b_131k.json
+    # one H200, Qwen3.5's 9B shape (one GPU: TRL refuses CP for it), PEFT LoRA r 16, fla's kernels on the path
+    # (bench/gpu_wheels.sh; transformers takes them when fla imports), beside bench/qwen3_5_gpu.sh's lora:131072:
+    python bench/reference_trl.py --model bench/configs/qwen3_5-9b --seq_len 131072 --cp 1 --steps 2 \
+        --lora_rank 16 --yarn_factor 0 --out bench/results/reference_trl_peft_q35_131k.json
     # the wiring on a CPU (no FSDP2, no CP: both need CUDA), a 2-layer Qwen3 of hidden 64:
     python bench/reference_trl.py --model tiny --seq_len 256 --cp 1 --steps 2 --device cpu --out /tmp/ref_tiny.json
 
@@ -139,12 +145,13 @@ def import_extras(a):
     if "offload" not in inspect.signature(transformers.PreTrainedModel.gradient_checkpointing_enable).parameters:
         fail(f"transformers {transformers.__version__} has no gradient checkpointing offload: "
              f"pip install transformers>=5.16 (written for 5.17.0)")
-    return {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "accelerate", "datasets", "peft")
-            if importlib.util.find_spec(m)}
+    packages = ("torch", "transformers", "trl", "accelerate", "datasets", "peft", "fla", "triton")  # fla: Qwen3.5's
+    return {m: __import__(m).__version__ for m in packages if importlib.util.find_spec(m)}          # DeltaNet kernels
 
 
 def hf_config(a, transformers):
-    """The Qwen3Config the run trains: the config.json's shape, YaRN as train.py applies it."""
+    """The Qwen3Config (or Qwen3_5TextConfig: the hybrid, one GPU) the run trains: the config.json's shape, YaRN as
+    train.py applies it."""
     if a.model == "tiny":
         d = dict(TINY)
     else:
@@ -153,8 +160,11 @@ def hf_config(a, transformers):
             fail(f"no config.json in {a.model!r}: pass a folder such as bench/configs/qwen3-8b, or 'tiny'")
         with open(f) as fh:
             d = json.load(fh)
-    if d.get("model_type") != "qwen3":
-        fail(f"{a.model}: model_type {d.get('model_type')!r}, expected 'qwen3'")
+    if d.get("model_type") == "qwen3_5":  # the vision-language checkpoint: its text decoder is what trains
+        d = dict(d["text_config"], model_type="qwen3_5_text")
+    hybrid = d.get("model_type") == "qwen3_5_text"
+    if d.get("model_type") != "qwen3" and not hybrid:
+        fail(f"{a.model}: model_type {d.get('model_type')!r}, expected 'qwen3' or 'qwen3_5_text' (Qwen3.5)")
     old = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
     d.pop("rope_scaling", None)
     theta = float(old.get("rope_theta", d.pop("rope_theta", 10000.0)))
@@ -167,6 +177,7 @@ def hf_config(a, transformers):
         rope = {"rope_type": "yarn", "rope_theta": theta, "factor": float(a.yarn_factor),
                 "original_max_position_embeddings": a.yarn_original_max_position_embeddings}
         rope.update({k: old[k] for k in ("beta_fast", "beta_slow") if old.get(k) is not None})  # as model.py keeps
+        rope.update({k: old[k] for k in ("partial_rotary_factor", "mrope_section", "mrope_interleaved") if k in old})
         # transformers checks factor == max_position_embeddings / original; give it that length (the factor is what
         # the frequencies use either way), never less than the sequence
         d["max_position_embeddings"] = max(a.seq_len, round(a.yarn_factor * a.yarn_original_max_position_embeddings))
@@ -175,15 +186,18 @@ def hf_config(a, transformers):
         rope.setdefault("rope_type", rope.pop("type", "default"))
         rope["rope_theta"] = theta
         d["max_position_embeddings"] = max(a.seq_len, d.get("max_position_embeddings", 0))
-    if d.get("use_sliding_window") or d.get("layer_types") and set(d["layer_types"]) != {"full_attention"}:
+    mixers = {"full_attention", "linear_attention"} if hybrid else {"full_attention"}
+    if d.get("use_sliding_window") or not set(d.get("layer_types") or ["full_attention"]) <= mixers:
         fail(f"{a.model}: sliding-window layers; context parallelism takes full causal attention only")
     d["rope_parameters"] = rope
     d["use_cache"] = False
-    return transformers.Qwen3Config(**d)
+    return (transformers.Qwen3_5TextConfig if hybrid else transformers.Qwen3Config)(**d)
 
 
 def rope_vs_ours(model, cfg) -> dict:
     """transformers' YaRN frequencies against model.py's (train.py's), for the JSON: the two runs' RoPE agree."""
+    if cfg.model_type == "qwen3_5_text":
+        return {"note": "Qwen3.5: partial rotary, checked against transformers in tests/test_qwen3_5.py"}
     try:
         sys.path.insert(0, ROOT)
         import model as ours
@@ -204,8 +218,16 @@ def rope_vs_ours(model, cfg) -> dict:
             "attention_factor_hf": float(rot.attention_scaling), "attention_factor_ours": float(factor)}
 
 
-def step_flops(cfg, seq_len: int) -> float:
-    """Useful FLOPs of one sequence (fwd + bwd, no recompute): the count train.py's step_flops makes."""
+def step_flops(a, cfg, seq_len: int) -> float:
+    """Useful FLOPs of one sequence (fwd + bwd, no recompute): the count train.py's step_flops makes (for Qwen3.5,
+    plan.py's own, which train.py uses: attention in the full-attention layers only)."""
+    if cfg.model_type == "qwen3_5_text":
+        sys.path.insert(0, ROOT)
+        try:
+            from million import plan, qwen3_5
+            return plan.useful_flops(plan.Shape.of(qwen3_5.read_config(a.model), seq_len, 1, 1, 1))
+        finally:
+            sys.path.remove(ROOT)
     h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     params = n * (2 * h * qd + 2 * h * kvd + 3 * h * i) + h * cfg.vocab_size
@@ -264,6 +286,9 @@ def main():
 
     # the model: the same draw on every rank (so no broadcast is needed), built on the device it trains on
     cfg = hf_config(a, transformers)
+    if cfg.model_type == "qwen3_5_text" and world > 1:
+        fail("Qwen3.5 runs on one GPU here: accelerate's context parallelism takes full causal attention only, and "
+             "TRL refuses it for this model")
     pdtype = getattr(torch, a.param_dtype)
     transformers.set_seed(a.seed)
     t0 = time.time()
@@ -302,7 +327,7 @@ def main():
     args = SFTConfig(**sft)
 
     steps = []  # one dict per step
-    flops = step_flops(cfg, a.seq_len) * dp
+    flops = step_flops(a, cfg, a.seq_len) * dp
 
     def write(complete: bool):
         if rank != 0:

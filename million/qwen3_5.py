@@ -276,26 +276,6 @@ def _gated_norm_backward(dy, x, z, w, rstd):
     return dx.to(x.dtype), dz.to(z.dtype), dw.to(w.dtype)
 
 
-def _rule_inputs(qkv, a, b, A_log, dt_bias, nk, dk, acc):
-    """GatedDeltaNet's rule inputs from the conv's output qkv [B, T, 2 nk dk + nv dv] and the projections a, b
-    [B, T, nv]: SiLU, q and k L2-normalised per key head (in fp32 or wider) and repeated to the value heads, q scaled
-    by dk^-1/2, the log decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); q, k, v and beta in acc (the
-    rule's dtype). Eager, a dozen kernels over [T, 8192] and fp32 copies each way (52.8 ms a 131k layer-step on an
-    H100); as one torch.compile, 24.8 ms."""
-    B, T, nv = a.shape
-    wide = torch.promote_types(qkv.dtype, torch.float32)
-    q, k, v = F.silu(qkv).split([nk * dk, nk * dk, qkv.shape[-1] - 2 * nk * dk], -1)
-
-    def per_value_head(t):  # [B, T, nk * dk] -> [B, nv, T, dk], normalised, in acc
-        t = l2norm(t.reshape(B, T, nk, dk).to(wide)).to(acc)
-        return t.repeat_interleave(nv // nk, dim=2).transpose(1, 2)
-
-    q, k = per_value_head(q) * dk ** -0.5, per_value_head(k)
-    v = v.reshape(B, T, nv, -1).transpose(1, 2).to(acc)                                  # [B, nv, T, dv]
-    g = -A_log.to(wide).exp() * F.softplus(a.to(wide) + dt_bias)                         # [B, T, nv] log decay
-    return q, k, v, g.transpose(1, 2), b.sigmoid().to(acc).transpose(1, 2)
-
-
 def partial_rope(x, cos, sin):
     """x [B, T, H, D]; cos/sin [B, T, rotary_dim]: RoPE on the first rotary_dim of each head, the rest as is."""
     r = cos.shape[-1]
@@ -400,6 +380,26 @@ class GatedDeltaNet(nn.Module):
         conv = causal_conv(qkv, self.conv1d.weight, mixer.kernel).to(x.dtype)
         o, state = mixer.span_rule(*self._rule_inputs(x, conv, mixer), state, final=True)
         return self._output(x, o), state, qkv[:, qkv.shape[1] - tail.shape[1]:]
+
+
+def _rule_inputs(qkv, a, b, A_log, dt_bias, nk, dk, acc):
+    """GatedDeltaNet's rule inputs from the conv's output qkv [B, T, 2 nk dk + nv dv] and the projections a, b
+    [B, T, nv]: SiLU, q and k L2-normalised per key head (in fp32 or wider) and repeated to the value heads, q scaled
+    by dk^-1/2, the log decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); q, k, v and beta in acc (the
+    rule's dtype). Eager, a dozen kernels over [T, 8192] and fp32 copies each way (52.8 ms a 131k layer-step on an
+    H100); as one torch.compile, 24.8 ms."""
+    B, T, nv = a.shape
+    wide = torch.promote_types(qkv.dtype, torch.float32)
+    q, k, v = F.silu(qkv).split([nk * dk, nk * dk, qkv.shape[-1] - 2 * nk * dk], -1)
+
+    def per_value_head(t):  # [B, T, nk * dk] -> [B, nv, T, dk], normalised, in acc
+        t = l2norm(t.reshape(B, T, nk, dk).to(wide)).to(acc)
+        return t.repeat_interleave(nv // nk, dim=2).transpose(1, 2)
+
+    q, k = per_value_head(q) * dk ** -0.5, per_value_head(k)
+    v = v.reshape(B, T, nv, -1).transpose(1, 2).to(acc)                                  # [B, nv, T, dv]
+    g = -A_log.to(wide).exp() * F.softplus(a.to(wide) + dt_bias)                         # [B, T, nv] log decay
+    return q, k, v, g.transpose(1, 2), b.sigmoid().to(acc).transpose(1, 2)
 
 
 class Block(nn.Module):

@@ -32,8 +32,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from million import deltanet, plan  # noqa: E402
-from million.qwen3_5 import (GatedDeltaNet, Qwen3_5Config, ZeroCentredRMSNorm, _gated_norm, _rule_inputs,  # noqa: E402
-                             _zc_norm)
+from million.qwen3_5 import GatedDeltaNet, Qwen3_5Config, ZeroCentredRMSNorm, _gated_norm, _zc_norm  # noqa: E402
 from ring_sim import median_seconds  # noqa: E402
 
 
@@ -74,76 +73,70 @@ def main():
         layer.dt_bias.fill_(1.0)
     B, T, H = 1, a.seq_len, cfg.hidden_size
     x = (torch.randn(B, T, H, device=device, dtype=dtype) * 0.5).requires_grad_()
-    conv_dim = layer.conv1d.weight.shape[0]
-    nv, dk, dv = layer.nv, layer.dk, layer.dv
+    K, conv_dim = cfg.linear_conv_kernel_dim, cfg.linear_conv_dim
+    nk, nv, dk, dv = layer.nk, layer.nv, layer.dk, layer.dv
     e = torch.finfo(dtype).bits // 8
+    w = layer.conv1d.weight
     with torch.no_grad():
         qkv = layer.in_proj_qkv(x)
-        q, k, v, g, beta = (t.detach() for t in layer._rule_inputs(x, qkv, mixer))
-        o = torch.randn(B, nv, T, dv, device=device, dtype=dtype)
+        y = deltanet.causal_conv(F.pad(qkv, (0, 0, K - 1, 0)), w, kernel).to(dtype)
+        q, k, v, g, beta = (t.detach() for t in layer._rule_inputs(x, y))
+        o = torch.randn(B, T, nv, dv, device=device, dtype=dtype)
     rule_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
     norm = ZeroCentredRMSNorm(H, cfg.rms_norm_eps).to(device, dtype).requires_grad_(False)
     # what DeltaNetMixer.rule runs on each rank's first segments under cp: the state [0 | I] beside the values
     cp_state = F.pad(torch.eye(dk, device=device).expand(B, nv, dk, dk), (dv, 0)).contiguous()
-    w = layer.conv1d.weight
-    def eager_inputs(x, t):  # GatedDeltaNet._rule_inputs with its elementwise part eager, as before 2026-12-05
-        return _rule_inputs(t, layer.in_proj_a(x), layer.in_proj_b(x), layer.A_log, layer.dt_bias, layer.nk,
-                            layer.dk, mixer.dtype(dtype))
-    fused_inputs = torch.compile(lambda x, t: eager_inputs(x, shifted_conv(t, w)))
-    with torch.no_grad():  # the candidates compute the same (bf16: rounded in another order)
-        want = deltanet.causal_conv(F.pad(qkv, (0, 0, cfg.linear_conv_kernel_dim - 1, 0)), w)
-        torch.testing.assert_close(shifted_conv(qkv, w), want, atol=2e-2, rtol=2e-2)
-        if chosen(a, "conv and rule inputs as one torch.compile (candidate)"):  # checked where timed
-            for got, ref in zip(fused_inputs(x, qkv), layer._rule_inputs(x, want.to(dtype), mixer)):
-                torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-        if chosen(a, "rule inputs"):
-            for got, ref in zip(layer._rule_inputs(x, want.to(dtype), mixer), eager_inputs(x, want.to(dtype))):
-                torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-        if kernel == "fla":
-            torch.testing.assert_close(fla_conv(qkv, w), want.to(dtype), atol=2e-2, rtol=2e-2)
-    acc = q.element_size()
+
+    def conv(kernel):  # the layer's conv on one device: K - 1 zero rows of history, SiLU inside
+        return lambda t: deltanet.causal_conv(F.pad(t, (0, 0, K - 1, 0)), w, kernel)
+
+    def rule_before(q, k, v, g, beta):
+        """fla's rule as the layer called it until 2026-12-05: q and k normalised in fp32 and repeated to the
+        value heads outside fla, [B, H, T, d] copies transposed in and out around fla's [B, T, H, d]."""
+        def heads(t, scale=1.0):
+            t = (deltanet.l2norm(t.float()) * scale).to(dtype).repeat_interleave(nv // nk, 2)
+            return t.transpose(1, 2).contiguous().transpose(1, 2).contiguous()  # the old layout's two copies
+        o, _ = deltanet._fla_kernel()(heads(q, dk ** -0.5), heads(k), v.transpose(1, 2).contiguous().transpose(1, 2)
+                                      .contiguous(), g.float(), beta, scale=1.0, output_final_state=False)
+        return o.transpose(1, 2).contiguous()
+
+    if kernel == "fla":
+        with torch.no_grad():  # the comparison row computes what the layer computes
+            torch.testing.assert_close(rule_before(q, k, v, g, beta).transpose(1, 2),
+                                       mixer.span_rule(q, k, v, g, beta, final=False)[0], atol=2e-2, rtol=2e-2)
     parts = {
         # name: (forward, inputs, floor in seconds for forward + backward)
         # forward 2 T P FLOPs, backward the same (dX only: the base is frozen, as under LoRA)
         "projections": (lambda x, y: (layer.in_proj_qkv(x), layer.in_proj_z(x), layer.in_proj_a(x),
                                       layer.in_proj_b(x), layer.out_proj(y)),
-                        [x, o.transpose(1, 2).reshape(B, T, nv * dv).clone().requires_grad_()],
+                        [x, o.reshape(B, T, nv * dv).clone().requires_grad_()],
                         2 * 2 * T * layer_params(layer) / (a.gemm_tflops * 1e12)),
-        "conv": (lambda t: F.conv1d(F.pad(t.transpose(1, 2), (cfg.linear_conv_kernel_dim - 1, 0)),
-                                    layer.conv1d.weight, groups=conv_dim), [qkv.detach().requires_grad_()],
-                 3 * 2 * T * conv_dim * e / a.bandwidth),  # forward: read, write; backward: read dy and x, write dx
-        "rule inputs (SiLU, L2 norms, repeats, g, beta)": (lambda x, t: layer._rule_inputs(x, t, mixer),
-                                                           [x, qkv.detach().requires_grad_()],
-                                                           3 * T * (H + conv_dim) * e / a.bandwidth
-                                                           + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
-        f"rule ({kernel})": (lambda *t: mixer.span_rule(*t, final=False)[0], rule_in,
-                             3 * T * nv * (2 * dk + 2 * dv) * acc / a.bandwidth),
+        # forward: read, write; backward: read dy and x, write dx (the SiLU recomputed inside)
+        f"conv and SiLU ({kernel})": (conv(kernel), [qkv.detach().requires_grad_()],
+                                      3 * 2 * T * conv_dim * e / a.bandwidth),
+        "rule inputs (q, k, v as views; g, beta from a, b)": (
+            lambda x, y: layer._rule_inputs(x, y), [x, y.detach().requires_grad_()], 3 * T * nv * 4 * 4 / a.bandwidth),
+        f"rule ({kernel}; q and k normalised inside)": (
+            lambda *t: mixer.span_rule(*t, final=False)[0], rule_in,
+            3 * T * (2 * nk * dk + 2 * nv * dv) * e / a.bandwidth),
         f"rule ({kernel}), cp form: v padded by dk columns, from a state": (
             lambda *t: mixer.span_rule(*t[:2], F.pad(t[2], (0, dk)), *t[3:], cp_state)[0], rule_in,
-            3 * T * nv * (2 * dk + 2 * (dv + dk)) * acc / a.bandwidth),
-        "conv and rule inputs as one torch.compile (candidate)": (
-            fused_inputs, [x, qkv.detach().requires_grad_()],
-            3 * T * (H + 2 * conv_dim) * e / a.bandwidth + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
-        "rule inputs, eager (before)": (
-            eager_inputs, [x, qkv.detach().requires_grad_()],
-            3 * T * (H + conv_dim) * e / a.bandwidth + 3 * T * nv * (2 * dk + dv) * acc / a.bandwidth),
-        "gated norm": (lambda o, x: layer.norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv)),
+            3 * T * (2 * nk * dk + 2 * nv * (dv + dk)) * e / a.bandwidth),
+        "gated norm": (lambda o, x: layer.norm(o, layer.in_proj_z(x).view(B, T, nv, dv)),
                        [o.requires_grad_(), x], 3 * 3 * T * nv * dv * e / a.bandwidth),
         "the whole layer": (lambda x: layer(x, mixer), [x], None),
         "gated norm, eager autograd (before)": (
-            lambda o, x: _gated_norm(o.transpose(1, 2), layer.in_proj_z(x).view(B, T, nv, dv), layer.norm.weight,
+            lambda o, x: _gated_norm(o, layer.in_proj_z(x).view(B, T, nv, dv), layer.norm.weight,
                                      layer.norm.eps)[0], [o, x], 3 * 3 * T * nv * dv * e / a.bandwidth),
         "zero-centred norm [T, hidden]": (lambda x: norm(x), [x], 3 * 2 * T * H * e / a.bandwidth),
         "zero-centred norm, eager autograd (before)": (lambda x: _zc_norm(x, norm.weight, norm.eps)[0], [x],
                                                         3 * 2 * T * H * e / a.bandwidth),
-        "conv, as K shifted multiply-adds (not used: for comparison)": (
-            lambda t: shifted_conv(t, w), [qkv.detach().requires_grad_()], 3 * 2 * T * conv_dim * e / a.bandwidth),
     }
-    if kernel == "fla":  # fla's Triton conv on [B, T, C] as it lies: no transposes
-        parts["conv, fla's causal_conv1d (candidate)"] = (lambda t: fla_conv(t, w), [qkv.detach().requires_grad_()],
-                                                          3 * 2 * T * conv_dim * e / a.bandwidth)
-        parts["conv with SiLU, fla's causal_conv1d (candidate)"] = (
-            lambda t: fla_conv(t, w, "silu"), [qkv.detach().requires_grad_()], 3 * 2 * T * conv_dim * e / a.bandwidth)
+    if kernel == "fla":
+        parts["conv and SiLU, F.conv1d on a transposed copy (the torch kernel's)"] = (
+            conv("torch"), [qkv.detach().requires_grad_()], 3 * 2 * T * conv_dim * e / a.bandwidth)
+        parts["rule, q and k normalised and repeated outside fla (before)"] = (
+            rule_before, rule_in, 3 * T * (4 * nv * dk + 2 * nv * dv) * e / a.bandwidth)
     rows = []
     for name, (fn, inputs, floor) in parts.items():
         if not chosen(a, name):
@@ -182,20 +175,6 @@ def write(a, device, T, kernel, dtype, rows) -> str:
         json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", seq_len=T,
                        kernel=kernel, dtype=str(dtype), rows=rows), fh, indent=1)
     return out
-
-
-def shifted_conv(x, weight):
-    """The causal depthwise conv of x [B, T, C] (zeros before it) as K shifted multiply-adds in x's layout, no
-    transposes: a candidate for replacing F.conv1d, timed beside it."""
-    K = weight.shape[-1]
-    xp = F.pad(x, (0, 0, K - 1, 0))
-    return sum(xp[:, i:i + x.shape[1]] * weight[:, 0, i] for i in range(K))
-
-
-def fla_conv(x, weight, activation=None):
-    """The causal depthwise conv of x [B, T, C] (zeros before it) on fla's Triton kernel: a candidate for F.conv1d."""
-    from fla.modules.causal_conv1d import causal_conv1d
-    return causal_conv1d(x, weight[:, 0], activation=activation)[0]
 
 
 def layer_params(layer) -> int:

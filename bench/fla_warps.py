@@ -7,7 +7,7 @@ turn, fla's rule against the torch rule (deltanet.disagreement, tolerance 0: the
 A GPU with fla-core 0.6 and Triton >= 3.7.1 (bench/gpu_wheels.sh). Each row recompiles the kernel, so a row takes
 a minute or more.
 
-- wy: deltanet._fla_rule keeps only the 2-warp configs on Hopper, as fla does for the ungated twin of this kernel,
+- wy: deltanet._fla_kernel keeps only the 2-warp configs on Hopper, as fla does for the ungated twin of this kernel,
   whose 4-warp build Triton miscompiles on sm_90. Expected, if the gated kernel has the same fault: the 4-warp
   rows off by far more than bf16's 5e-3 in dk, dbeta or dg, the 2-warp rows within it.
 - dqkwg: on Hopper, at dk 32, dv 48, two sequences of 296 tokens from a state, fla's dq, dk and dg are wrong
@@ -37,7 +37,7 @@ def main():
         sys.exit(f"fla_warps: {deltanet.fla_unavailable()}")
     from fla.ops.common import chunk_o
     from fla.ops.gated_delta_rule import wy_fast
-    deltanet._fla_rule()  # its filter first, so that it leaves the configs forced below alone
+    deltanet._fla_kernel()  # its filter first, so that it leaves the configs forced below alone
     kernel = dict(wy=wy_fast.prepare_wy_repr_bwd_kernel, dqkwg=chunk_o.chunk_bwd_kernel_dqkwg)[a.kernel]
     tuner = kernel.fn  # triton.heuristics around the autotuner
     print(torch.cuda.get_device_name(), "Triton", triton.__version__, "kernel", a.kernel, flush=True)
@@ -46,8 +46,8 @@ def main():
             tuner.configs = [triton.Config({}, num_warps=warps, num_stages=stages)]
             tuner.cache.clear()  # the choice made for the previous config
             for batch, length, heads, dk, dv in CASES[a.kernel]:
-                line = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, heads, dk, dv, tol=0,
-                                             length=length, batch=batch)
+                line = deltanet.disagreement(deltanet.fla_rule, heads, heads, dk, dv, tol=0, length=length,
+                                             batch=batch)
                 print(f"num_warps {warps} num_stages {stages} batch {batch} length {length}: {line}", flush=True)
 
 

@@ -69,8 +69,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK, final=True
     span, None for zeros. -> (o [B, H, T, dv], state after the span [B, H, dk, dv]; computed whatever final says,
     the flag that lets fla skip it).
 
-    This is the seam for a GPU kernel: fla's chunk_gated_delta_rule(..., initial_state, output_final_state=True)
-    computes the same (with q, k, v as [B, T, H, d])."""
+    The oracle of the GPU kernel: torch_rule (below) calls it as a layer does, fla_rule runs fla's kernels."""
     B, H, T, _ = k.shape
     pad = -T % chunk  # padded tokens have beta 0 (write nothing) and g 0 (keep the state): the state passes through
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -101,8 +100,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk=CHUNK, final=True
     return torch.stack(out, 2).reshape(B, H, n * chunk, -1)[:, :, :T], S
 
 
+def torch_rule(q, k, v, g, beta, state=None, final=True):
+    """The rule as a DeltaNet layer calls it, on one span. q, k [B, T, nk, dk] as the conv gives them (before their
+    L2 norm), v [B, T, nv, dv], g (log decay, fp32 or wider) and beta [B, T, nv], state [B, nv, dk, dv] (None: zeros)
+    -> (o [B, T, nv, dv], the state after the span). Key head h serves value heads h * nv/nk to (h + 1) * nv/nk - 1.
+    Here: q and k normalised in fp32 (or wider), q scaled by dk^-1/2, repeated to the value heads, and
+    chunk_gated_delta_rule in fp32 or wider; fla_rule computes the same on fla's kernels."""
+    wide = torch.promote_types(v.dtype, torch.float32)
+
+    def per_value_head(t, scale=1.0):  # [B, T, nk, dk] -> [B, nv, T, dk], normalised
+        return (l2norm(t.to(wide)) * scale).repeat_interleave(v.shape[2] // t.shape[2], 2).transpose(1, 2)
+
+    q, k = per_value_head(q, q.shape[-1] ** -0.5), per_value_head(k)
+    o, state = chunk_gated_delta_rule(q, k, *(t.transpose(1, 2).to(wide) for t in (v, g, beta)), state)
+    return o.transpose(1, 2), state
+
+
 @functools.cache
-def _fla_rule():
+def _fla_kernel():
     """fla's chunk_gated_delta_rule, with one guard. On Hopper the WY backward kernel of the gated rule autotunes
     over 2 and 4 warps, and Triton miscompiles its ungated twin (same chunk of 64, same [64, 64] gradient) at 4 warps
     on sm_90: wrong dk and dbeta, which fla fixed there by keeping 2 warps. fla 0.6 did not do the same for the
@@ -114,57 +129,53 @@ def _fla_rule():
     return chunk_gated_delta_rule
 
 
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, state=None, final=True):
-    """chunk_gated_delta_rule on fla's Triton kernels: the same arguments and results (the state in fp32; None
-    when final is False, where the caller drops it), with q, k, v and beta in the model's dtype (bf16:
-    transformers passes fla the same), g in fp32. fla takes [B, T, H, d]; the transposes here are a copy each,
-    small next to the kernels."""
-    fla_rule = _fla_rule()
-    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    g, beta = g.transpose(1, 2).float().contiguous(), beta.transpose(1, 2).to(q.dtype).contiguous()
-    o, state = fla_rule(q, k, v, g, beta, scale=1.0, initial_state=None if state is None else state.float(),
-                        output_final_state=final)
-    return o.transpose(1, 2), state
+def fla_rule(q, k, v, g, beta, state=None, final=True):
+    """torch_rule on fla's Triton kernels: the same arguments and results (the state in fp32; None when final is
+    False, where the caller drops it), q, k, v and beta in the model's dtype, g in fp32. fla takes the layer's
+    [B, T, heads, d] as it lies, normalises q and k in its own kernels (transformers asks it the same), and reads
+    each key head for its value heads (no repeated copies)."""
+    o, state = _fla_kernel()(q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1] ** -0.5,
+                             initial_state=None if state is None else state.float(), output_final_state=final,
+                             use_qk_l2norm_in_kernel=True)
+    return o, state
 
 
-def disagreement(rule, heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300, batch=1):
-    """`rule` (fla_chunk_gated_delta_rule) against the torch rule in fp32 on the same inputs rounded to dtype, at a
-    model's head dims and in both ways the mixer calls it (from zero, the final state dropped; from a state, the
-    final state used), forward and backward for random upstream gradients: None if every output and gradient is
-    within tol of the torch rule's in norm (bf16 lands near 5e-3), else a line naming the worst. Run once at
-    start-up, so that a kernel wrong at some shape, or on some Triton, stops a run instead of training it wrongly.
-    batch: sequences side by side (train.py's micro-batches hold one)."""
+def disagreement(rule, key_heads, value_heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300,
+                 batch=1):
+    """`rule` (fla_rule) against torch_rule in fp32 on the same inputs rounded to dtype, at a model's head counts
+    and dims and in both ways the mixer calls it (from zero, the final state dropped; from a state, the final state
+    used), forward and backward for random upstream gradients: None if every output and gradient is within tol of
+    the torch rule's in norm (bf16 lands near 5e-3), else a line naming the worst. Run once at start-up, so that a
+    kernel wrong at some shape, or on some Triton, stops a run instead of training it wrongly. batch: sequences
+    side by side (train.py's micro-batches hold one)."""
     gen = torch.Generator(device=device).manual_seed(0)
     n = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
     worst = (0.0, "")
     for from_state in (False, True):
-        q = l2norm(n(batch, heads, length, dk)) * dk ** -0.5
-        x = [t.to(dtype) for t in (q, l2norm(n(batch, heads, length, dk)), n(batch, heads, length, dv))]
-        x += [-0.2 * torch.rand(batch, heads, length, generator=gen, device=device),
-              n(batch, heads, length).sigmoid()]
-        x[4] = x[4].to(dtype)
-        s0 = n(batch, heads, dk, dv) if from_state else None
+        x = [n(batch, length, key_heads, dk), n(batch, length, key_heads, dk), n(batch, length, value_heads, dv)]
+        x = [t.to(dtype) for t in x] + [-0.2 * torch.rand(batch, length, value_heads, generator=gen, device=device),
+                                        n(batch, length, value_heads).sigmoid().to(dtype)]
+        s0 = n(batch, value_heads, dk, dv) if from_state else None
         mine = [t.detach().float().requires_grad_() for t in x] + [s0]
         theirs = [t.detach().requires_grad_() for t in x] + [None if s0 is None else s0.clone().requires_grad_()]
         if from_state:
             mine[5].requires_grad_()
-        want, want_state = chunk_gated_delta_rule(*mine)
+        want, want_state = torch_rule(*mine)
         got, got_state = rule(*theirs, final=from_state)
         do = n(*want.shape)
         outs = [(want, do, got)] + ([(want_state, n(*want_state.shape), got_state)] if from_state else [])
         torch.autograd.backward([w for w, _, _ in outs], [d for _, d, _ in outs])
         torch.autograd.backward([g for _, _, g in outs], [d.to(g.dtype) for _, d, g in outs])
-        pairs = {"o": (got, want), "dq": (theirs[0].grad, mine[0].grad), "dk": (theirs[1].grad, mine[1].grad),
-                 "dv": (theirs[2].grad, mine[2].grad), "dg": (theirs[3].grad, mine[3].grad),
-                 "dbeta": (theirs[4].grad, mine[4].grad)}
+        pairs = {"o": (got, want), **{f"d{name}": (theirs[i].grad, mine[i].grad)
+                                      for i, name in enumerate(("q", "k", "v", "g", "beta"))}}
         if from_state:
             pairs.update(state=(got_state, want_state), dstate=(theirs[5].grad, mine[5].grad))
         worst = max(worst, _worst(pairs, "from a state" if from_state else "from zero"))
     err, where = worst
     if err <= tol:
         return None
-    return (f"the DeltaNet kernel differs from the torch rule at {heads} heads, dk {dk}, dv {dv}: relative error "
-            f"{err:.2g} in {where} (tolerance {tol:g})")
+    return (f"the DeltaNet kernel differs from the torch rule at {key_heads} key and {value_heads} value heads, dk "
+            f"{dk}, dv {dv}: relative error {err:.2g} in {where} (tolerance {tol:g})")
 
 
 def conv_disagreement(conv, channels, width, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300):
@@ -199,13 +210,13 @@ def _worst(pairs, label=""):
 
 
 def causal_conv(x, weight, kernel="torch"):
-    """Depthwise conv over x [B, K - 1 + t, C] whose first K - 1 rows are the history -> [B, t, C] in weight's
-    dtype (before the activation); weight [C, 1, K]. kernel "fla": fla's Triton conv on x as it lies (F.conv1d
-    wants [B, C, T]: a transposed copy in, another out), its first K - 1 outputs dropped."""
+    """Depthwise conv, then SiLU, over x [B, K - 1 + t, C] whose first K - 1 rows are the history -> [B, t, C] in
+    weight's dtype; weight [C, 1, K]. kernel "fla": fla's Triton conv with the SiLU inside, on x as it lies
+    (F.conv1d wants [B, C, T]: a transposed copy in, another out), its first K - 1 outputs dropped."""
     if kernel == "fla":
         from fla.modules.causal_conv1d import causal_conv1d
-        return causal_conv1d(x.to(weight.dtype), weight[:, 0])[0][:, weight.shape[-1] - 1:]
-    return F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, groups=weight.shape[0]).transpose(1, 2)
+        return causal_conv1d(x.to(weight.dtype), weight[:, 0], activation="silu")[0][:, weight.shape[-1] - 1:]
+    return F.silu(F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, groups=weight.shape[0])).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,12 +283,7 @@ class DeltaNetMixer:
     def __init__(self, group=None, layout=None, kernel="torch"):
         self.group, self.layout = group, layout
         self.kernel = kernel  # "torch" or "fla" (resolve_kernel's answer)
-        self.span_rule = fla_chunk_gated_delta_rule if kernel == "fla" else chunk_gated_delta_rule  # one span
-
-    def dtype(self, model_dtype):
-        """The dtype q, k, v and beta go to the rule in: fla's kernels take the model's (they accumulate in fp32),
-        the torch rule fp32 or wider."""
-        return model_dtype if self.kernel == "fla" else torch.promote_types(model_dtype, torch.float32)
+        self.span_rule = fla_rule if kernel == "fla" else torch_rule  # the rule over one span
 
     def world(self):
         return 1 if self.group is None else dist.get_world_size(self.group)
@@ -293,8 +299,8 @@ class DeltaNetMixer:
         return world, _plan(rank, world, t, docs, layout)
 
     def conv(self, x, weight, doc_lens=None):
-        """Causal depthwise conv, x [B, T, C] this rank's tokens, weight [C, 1, K] -> [B, T, C] before the
-        activation. A token sees the K - 1 inputs before it in its document: across a chunk's start they come from
+        """Causal depthwise conv and SiLU, x [B, T, C] this rank's tokens, weight [C, 1, K] -> [B, T, C]. A token
+        sees the K - 1 inputs before it in its document: across a chunk's start they come from
         the chunk before it in the window (another rank's: the halo), at a document's start they are zeros."""
         world, (c, layout, mine) = self._where(x.shape[1], doc_lens)
         K = weight.shape[-1]
@@ -315,38 +321,37 @@ class DeltaNetMixer:
         return torch.cat(out, 1).to(x.dtype)
 
     def rule(self, q, k, v, g, beta, doc_lens=None):
-        """The gated delta rule over this rank's tokens: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T]
-        (chunk_gated_delta_rule's arguments) -> o [B, H, T, dv]. The state starts from zero at each document.
+        """The gated delta rule over this rank's tokens: q, k [B, T, nk, dk] (before their L2 norm), v [B, T, H, dv],
+        g, beta [B, T, H] (torch_rule's arguments) -> o [B, T, H, dv]. The state starts from zero at each document.
 
         Under context parallelism, each chunk's first segment runs once with the state columns [0 | I] beside the
         values (v padded with dk zero columns): its output is then [o0 | A] and its final state [R | M], so that
         the output from the true initial state S is o0 + A S (o_t is linear in S), and (M, R) is the summary the
         scan needs. One pass, no second run once S is known."""
-        world, (c, layout, mine) = self._where(q.shape[2], doc_lens)
-        B, H, _, dk = k.shape
-        dv = v.shape[-1]
+        world, (c, layout, mine) = self._where(q.shape[1], doc_lens)
+        (B, _, H, dv), dk = v.shape, k.shape[-1]
         out, pending, summaries = [], [], []
         for j, l0, d, segments in mine:
             carried = d < j * c  # the chunk's first token continues a document begun before the chunk
             for s0, s1 in segments:
-                part = [x[:, :, s0:s1] for x in (q, k, v, g, beta)]
+                part = [x[:, s0:s1] for x in (q, k, v, g, beta)]
                 if world == 1 or s0 != l0:  # one device, or a segment that begins a document: from zero
                     o, state = self.span_rule(*part, final=world > 1)  # a summary needs the last state
                     out.append(o)
                     continue
                 # every rank's first segments run this way, even from a document's start (then S is multiplied by
                 # 0): each rank then uses the gathered summaries, as _AllGather needs
-                eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(B, H, dk, dk)
+                eye = torch.eye(dk, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
                 part[2] = F.pad(part[2], (0, dk))                                 # v -> [v | 0]
-                o, state = self.span_rule(*part, F.pad(eye, (dv, 0)))            # state [B, H, dk, dv + dk]
+                o, state = self.span_rule(*part, F.pad(eye.expand(B, H, dk, dk), (dv, 0)))  # [B, H, dk, dv + dk]
                 out.append(o[..., :dv])
-                pending.append((len(out) - 1, j, o[..., dv:], carried))          # A [B, H, len, dk]
+                pending.append((len(out) - 1, j, o[..., dv:], carried))          # A [B, len, H, dk]
                 M = state[..., dv:]
             if world > 1:  # the chunk's summary [R | M]; past a document start in the chunk, S_in reaches nothing
                 M = M if carried and len(segments) == 1 else torch.zeros_like(M)
                 summaries.append(torch.cat([state[..., :dv], M], -1))
         if world == 1:
-            return torch.cat(out, 2)
+            return torch.cat(out, 1)
         gathered = _AllGather.apply(torch.stack(summaries), self.group)          # [world, n_local, B, H, dk, dv+dk]
         summary = {j: gathered[r, m] for r, held in enumerate(layout) for m, j in enumerate(held)}
         S, start = gathered.new_zeros(B, H, dk, dv), []  # in the state's dtype (fp32 at least)
@@ -354,5 +359,5 @@ class DeltaNetMixer:
             start.append(S)
             S = summary[j][..., dv:] @ S + summary[j][..., :dv]
         for i, j, A, carried in pending:
-            out[i] = out[i] + (A.to(S.dtype) @ (start[j] * float(carried))).to(out[i].dtype)
-        return torch.cat(out, 2)
+            out[i] = out[i] + torch.einsum("bthk,bhkv->bthv", A.to(S.dtype), start[j] * float(carried)).to(out[i].dtype)
+        return torch.cat(out, 1)

@@ -88,9 +88,9 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark:
                    # Qwen3.5 9B on one H200, fla and FA4, LoRA r16 at 131,072 tokens with the fused norms: the
                    # step's time and peak less the rest of this model (bench/NOTES.md, "Qwen3.5's norms as one
                    # kernel each way"; with the eager norms the same fit gave 2.34 s and 318 KB). Its conv was
-                   # F.conv1d and its rule inputs eager; fla's conv since is ~50 ms a layer-step faster and the
-                   # compiled rule inputs ~28 ms (an H100), so this is up to ~0.6 high until a step is measured
-                   # again (bench/NOTES.md, "fla's conv in the layer")
+                   # F.conv1d and its rule inputs eager; since, fla runs the conv (with its SiLU) and normalises q
+                   # and k in its kernels: ~90 ms a layer-step less predicted, so this is about 0.7 high until a
+                   # step is measured again (bench/NOTES.md, "The rule inputs inside fla's kernels")
                    deltanet_s_per_mtoken_layer=1.365, deltanet_work_bytes_per_token=269e3,
                    # bench/deltanet_layer.py on one H200 at 131,072 tokens (a rank's share of 1M on 8): fla's rule in
                    # its cp form costs 70.9 ms a layer-step (forward, backward, one more forward) against 42.0 ms

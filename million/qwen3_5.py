@@ -31,7 +31,7 @@ from loss import chunked_nll
 from model import Block as Qwen3Block
 from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, fused, rope_cos_sin, rope_inv_freq
 from million import deltanet, moe
-from million.deltanet import DeltaNetMixer, causal_conv, l2norm, resolve_kernel
+from million.deltanet import DeltaNetMixer, causal_conv, resolve_kernel
 from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -334,20 +334,24 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, H] -> [B, T, H]; mixer: deltanet.DeltaNetMixer (one device or a cp group)."""
         if self.tile and x.shape[1] > self.tile:
             return self._tiled(x, mixer, doc_lens)
-        qkv = mixer.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_lens)                 # [B, T, conv_dim]
-        o = mixer.rule(*self._rule_inputs(x, qkv, mixer), doc_lens)                         # [B, nv, T, dv]
+        y = mixer.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_lens)                   # [B, T, conv_dim]
+        o = mixer.rule(*self._rule_inputs(x, y), doc_lens)                                  # [B, T, nv, dv]
         return self._output(x, o)
 
-    def _rule_inputs(self, x, qkv, mixer):
-        """The conv's output (before SiLU) -> the rule's q, k [B, nv, T, dk], v [B, nv, T, dv], g, beta [B, nv, T]:
-        the projections a and b here, the elementwise rest one compiled graph each way on CUDA (model.fused)."""
-        return fused(_rule_inputs, qkv)(qkv, self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias,
-                                        self.nk, self.dk, mixer.dtype(x.dtype))
+    def _rule_inputs(self, x, y):
+        """The conv's output y (after SiLU) -> the rule's q, k [B, T, nk, dk] (views: the rule normalises them), v
+        [B, T, nv, dv], the log decay g = -exp(A_log) softplus(a + dt_bias) in fp32 (or wider) and beta = sigmoid(b)
+        [B, T, nv]."""
+        q, k, v = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
+        return (q.unflatten(-1, (self.nk, self.dk)), k.unflatten(-1, (self.nk, self.dk)),
+                v.unflatten(-1, (self.nv, self.dv)), g, self.in_proj_b(x).sigmoid())
 
     def _output(self, x, o):
-        """The rule's output o [B, nv, T, dv] -> the gated norm with z, out_proj -> [B, T, H]."""
+        """The rule's output o [B, T, nv, dv] -> the gated norm with z, out_proj -> [B, T, H]."""
         B, T, _ = x.shape
-        o = self.norm(o.transpose(1, 2).to(x.dtype), self.in_proj_z(x).view(B, T, self.nv, self.dv))
+        o = self.norm(o.to(x.dtype), self.in_proj_z(x).view(B, T, self.nv, self.dv))
         return self.out_proj(o.reshape(B, T, self.nv * self.dv))
 
     def _tiled(self, x, mixer, doc_lens):
@@ -377,29 +381,9 @@ class GatedDeltaNet(nn.Module):
         if tail is None:
             tail = qkv.new_zeros(qkv.shape[0], self.conv1d.weight.shape[-1] - 1, qkv.shape[2])
         qkv = torch.cat([tail, qkv], 1)
-        conv = causal_conv(qkv, self.conv1d.weight, mixer.kernel).to(x.dtype)
-        o, state = mixer.span_rule(*self._rule_inputs(x, conv, mixer), state, final=True)
+        y = causal_conv(qkv, self.conv1d.weight, mixer.kernel).to(x.dtype)
+        o, state = mixer.span_rule(*self._rule_inputs(x, y), state, final=True)
         return self._output(x, o), state, qkv[:, qkv.shape[1] - tail.shape[1]:]
-
-
-def _rule_inputs(qkv, a, b, A_log, dt_bias, nk, dk, acc):
-    """GatedDeltaNet's rule inputs from the conv's output qkv [B, T, 2 nk dk + nv dv] and the projections a, b
-    [B, T, nv]: SiLU, q and k L2-normalised per key head (in fp32 or wider) and repeated to the value heads, q scaled
-    by dk^-1/2, the log decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); q, k, v and beta in acc (the
-    rule's dtype). Eager, a dozen kernels over [T, 8192] and fp32 copies each way (52.8 ms a 131k layer-step on an
-    H100); as one torch.compile, 24.8 ms."""
-    B, T, nv = a.shape
-    wide = torch.promote_types(qkv.dtype, torch.float32)
-    q, k, v = F.silu(qkv).split([nk * dk, nk * dk, qkv.shape[-1] - 2 * nk * dk], -1)
-
-    def per_value_head(t):  # [B, T, nk * dk] -> [B, nv, T, dk], normalised, in acc
-        t = l2norm(t.reshape(B, T, nk, dk).to(wide)).to(acc)
-        return t.repeat_interleave(nv // nk, dim=2).transpose(1, 2)
-
-    q, k = per_value_head(q) * dk ** -0.5, per_value_head(k)
-    v = v.reshape(B, T, nv, -1).transpose(1, 2).to(acc)                                  # [B, nv, T, dv]
-    g = -A_log.to(wide).exp() * F.softplus(a.to(wide) + dt_bias)                         # [B, T, nv] log decay
-    return q, k, v, g.transpose(1, 2), b.sigmoid().to(acc).transpose(1, 2)
 
 
 class Block(nn.Module):
@@ -554,7 +538,7 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
         gpu = torch.device("cuda", torch.cuda.current_device())
         with gpu:  # build runs under train.py's meta device: whatever the kernels allocate goes to the GPU
             dtype = getattr(torch, cfg.dtype)
-            why = deltanet.disagreement(deltanet.fla_chunk_gated_delta_rule, mcfg.linear_num_value_heads,
+            why = deltanet.disagreement(deltanet.fla_rule, mcfg.linear_num_key_heads, mcfg.linear_num_value_heads,
                                         mcfg.linear_key_head_dim, mcfg.linear_value_head_dim, dtype, gpu,
                                         length=16384) or deltanet.conv_disagreement(
                 functools.partial(causal_conv, kernel="fla"), mcfg.linear_conv_dim, mcfg.linear_conv_kernel_dim,

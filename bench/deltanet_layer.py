@@ -7,16 +7,14 @@ step (plan.py's deltanet_s_per_mtoken_layer: 4.3 s of the 9B's 24.4 s LoRA step 
 Each part runs forward and backward on its own inputs (random, fixed seed), timed with CUDA events (median of
 --iters after a warm-up), beside its floor: the bytes it must move at --bandwidth (each input read once, each
 output written once, in the dtypes the layer uses) or its FLOPs at --gemm_tflops for the projections. The parts:
-the projections (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj), the causal conv, the elementwise work
-between the conv and the rule (SiLU, L2 norms, repeats, the decay and beta: GatedDeltaNet._rule_inputs), the rule
-(fla, or the torch rule with --kernel torch; and in its context-parallel form, v padded with dk columns from a
-state, whose extra cost is what the span summaries cost against an all-to-all), and the gated norm
-(GatedDeltaNet._output without out_proj); then the whole layer, whose time less the projections' is what the cost
-model calls the DeltaNet term. The rule inputs are one torch.compile on CUDA in the layer (model.fused), timed
-beside their eager form (before). Candidates are timed beside what the layer runs: the conv (as shifted
-multiply-adds) and the rule inputs as one torch.compile, against the conv and rule-input rows together; with fla,
-fla's Triton conv on [B, T, C] as it lies (what the layer runs on fla), with and without its SiLU, against the conv
-row (F.conv1d on a transposed copy: what the layer runs without fla). --only picks parts by name. A step
+the projections (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj), the causal conv with its SiLU, the
+rule inputs (q, k, v as views of the conv's output; the decay and beta: GatedDeltaNet._rule_inputs), the rule (fla,
+which normalises q and k itself, or the torch rule with --kernel torch; and in its context-parallel form, v padded
+with dk columns from a state, whose extra cost is what the span summaries cost against an all-to-all), and the
+gated norm (GatedDeltaNet._output without out_proj); then the whole layer, whose time less the projections' is
+what the cost model calls the DeltaNet term. With fla, two rows for comparison: F.conv1d on a transposed copy (the
+torch kernel's conv), and the rule as the layer called it before 2026-12-05 (q and k normalised and repeated to the
+value heads outside fla, transposed copies in and out). --only picks parts by name. A step
 runs the layer's forward three times over (forward, the recompute's forward, backward at about twice a forward),
 so the per-step share is about the forward + backward column plus one forward. Writes --out as JSON after each
 row.

@@ -3,6 +3,7 @@ turn, fla's rule against the torch rule (deltanet.disagreement, tolerance 0: the
 
     python bench/fla_warps.py                   # the WY backward (wy_fast.prepare_wy_repr_bwd_kernel)
     python bench/fla_warps.py --kernel dqkwg    # dq, dk, dg (common.chunk_o.chunk_bwd_kernel_dqkwg)
+    python bench/fla_warps.py --shapes          # no config forced: fla's own choice over a grid of shapes
 
 A GPU with fla-core 0.6 and Triton >= 3.7.1 (bench/gpu_wheels.sh). Each row recompiles the kernel, so a row takes
 a minute or more.
@@ -12,7 +13,10 @@ a minute or more.
   rows off by far more than bf16's 5e-3 in dk, dbeta or dg, the 2-warp rows within it.
 - dqkwg: on Hopper, at dk 32, dv 48, two sequences of 296 tokens from a state, fla's dq, dk and dg are wrong
   (1.0, 13 and 39 on an H100; tests/test_qwen3_5.py) while one sequence of 4,096 tokens agrees (4.5e-3). The rows
-  vary the config, the batch and the length, to say which of them the fault follows.
+  vary the config, the batch and the length, to say which of them the fault follows. fla's own bisection of the
+  same kernel's fault below Triton 3.7.1 (fla issue #640) found it followed the K block width, not the config;
+  here BK is 32 and BV 64 over dv 48 (a partial block), so --shapes varies dk and dv too, with fla's autotuning
+  left alone (one compile per shape, not per config: much faster than forcing).
 """
 import argparse
 import os
@@ -26,15 +30,24 @@ from million import deltanet  # noqa: E402
 
 CASES = dict(wy=[(1, 4096, 6, 32, 48), (1, 4096, 32, 128, 128)],  # (batch, length, heads, dk, dv)
              dqkwg=[(1, 296, 6, 32, 48), (2, 296, 6, 32, 48), (1, 4096, 6, 32, 48), (2, 4096, 6, 32, 48)])
+SHAPES = [(b, n, 6, dk, dv) for dk, dv in ((32, 48), (32, 64), (64, 48), (32, 32), (128, 128))
+          for b, n in ((1, 296), (2, 296), (1, 4096))]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="wy", choices=sorted(CASES))
     ap.add_argument("--warps", default="2,4", help="comma-separated num_warps to force")
+    ap.add_argument("--shapes", action="store_true", help="force nothing; rows over SHAPES (dk, dv, batch, length)")
     a = ap.parse_args()
     if deltanet.fla_unavailable():
         sys.exit(f"fla_warps: {deltanet.fla_unavailable()}")
+    if a.shapes:
+        print(torch.cuda.get_device_name(), "Triton", triton.__version__, "fla's own configs", flush=True)
+        for batch, length, heads, dk, dv in SHAPES:
+            line = deltanet.disagreement(deltanet.fla_rule, heads, heads, dk, dv, tol=0, length=length, batch=batch)
+            print(f"dk {dk} dv {dv} batch {batch} length {length}: {line}", flush=True)
+        return
     from fla.ops.common import chunk_o
     from fla.ops.gated_delta_rule import wy_fast
     deltanet._fla_kernel()  # its filter first, so that it leaves the configs forced below alone

@@ -384,7 +384,8 @@ def flalike(q, k, v, g, beta, state=None, final=True):
 
 def test_the_start_up_check_stops_a_wrong_kernel():
     """deltanet.disagreement, which qwen3_5.build runs before fla trains anything, passes a kernel that computes the
-    rule and names what differs in one that does not: a decay gradient doubled, an initial state ignored, NaNs."""
+    rule and names what differs in one that does not: a decay gradient doubled, an initial state ignored, NaNs, key
+    heads shared among value heads the other way round (3 key heads, 6 value heads)."""
     from million.deltanet import disagreement
     check = functools.partial(disagreement, key_heads=3, value_heads=6, dk=12, dv=10, device="cpu", length=150)
     assert check(flalike) is None
@@ -400,7 +401,12 @@ def test_the_start_up_check_stops_a_wrong_kernel():
     def nans(q, k, v, g, beta, state=None, final=True):
         o, s = flalike(q, k, v, g, beta, state, final)
         return o * float("nan"), s
+
+    def heads_interleaved(q, k, v, g, beta, state=None, final=True):  # value head j read by key head j % nk
+        r = v.shape[2] // q.shape[2]
+        return flalike(q.repeat(1, 1, r, 1), k.repeat(1, 1, r, 1), v, g, beta, state, final)
     assert "relative error 1 in dg from zero" in check(doubled_decay_gradient)
+    assert check(heads_interleaved).startswith("the DeltaNet kernel differs from the torch rule")
     assert "from a state" in check(no_initial_state)
     why = check(nans)
     assert why.startswith("the DeltaNet kernel differs from the torch rule at 3 key and 6 value heads, dk 12, dv "

@@ -54,7 +54,7 @@ Written against trl 1.16.0, transformers 5.17.0 and accelerate 1.15.0. Run on 2 
         --out bench/results/reference_trl_peft_8b_131k.json
     # one H200, Qwen3.5's 9B shape (one GPU: TRL refuses CP for it), PEFT LoRA r 16, fla's kernels on the path
     # (bench/gpu_wheels.sh; transformers takes them when fla imports), beside bench/qwen3_5_gpu.sh's lora:131072:
-    python bench/reference_trl.py --model bench/configs/qwen3_5-9b --seq_len 131072 --cp 1 --steps 2 \
+    python bench/reference_trl.py --model bench/configs/qwen3_5-9b --seq_len 131072 --cp 1 --steps 2 \\
         --lora_rank 16 --yarn_factor 0 --out bench/results/reference_trl_peft_q35_131k.json
     # the wiring on a CPU (no FSDP2, no CP: both need CUDA), a 2-layer Qwen3 of hidden 64:
     python bench/reference_trl.py --model tiny --seq_len 256 --cp 1 --steps 2 --device cpu --out /tmp/ref_tiny.json

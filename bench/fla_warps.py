@@ -14,7 +14,7 @@ a minute or more.
 - dqkwg: on Hopper, at dk 32, dv 48, two sequences of 296 tokens from a state, fla's dq, dk and dg are wrong
   (1.0, 13 and 39 on an H100; tests/test_qwen3_5.py) while one sequence of 4,096 tokens agrees (4.5e-3). The rows
   vary the config, the batch and the length, to say which of them the fault follows. fla's own bisection of the
-  same kernel's fault below Triton 3.7.1 (fla issue #640) found it followed the K block width, not the config;
+  same kernel's fault below Triton 3.7.1 (fla #640) found it followed the K block width, not the config;
   here BK is 32 and BV 64 over dv 48 (a partial block), so --shapes varies dk and dv too, with fla's autotuning
   left alone (one compile per shape, not per config: much faster than forcing).
 """

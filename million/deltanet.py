@@ -134,10 +134,9 @@ def fla_rule(q, k, v, g, beta, state=None, final=True):
     False, where the caller drops it), q, k, v and beta in the model's dtype, g in fp32. fla takes the layer's
     [B, T, heads, d] as it lies, normalises q and k in its own kernels (transformers asks it the same), and reads
     each key head for its value heads (no repeated copies)."""
-    o, state = _fla_kernel()(q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1] ** -0.5,
-                             initial_state=None if state is None else state.float(), output_final_state=final,
-                             use_qk_l2norm_in_kernel=True)
-    return o, state
+    return _fla_kernel()(q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1] ** -0.5,
+                         initial_state=None if state is None else state.float(), output_final_state=final,
+                         use_qk_l2norm_in_kernel=True)
 
 
 def disagreement(rule, key_heads, value_heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300,

@@ -4,15 +4,16 @@
 # (the Gated DeltaNet of Qwen3.5; fla refuses Triton < 3.7.1 on Hopper). Python 3.12, x86-64 Linux, CUDA 13.
 #
 #   bash bench/gpu_wheels.sh download   # here: unpack every wheel into one tree, pack it as tar.xz (168 MB, from
-#                                       # 1 GB), cut it in four: .whl/p1 ... .whl/p4, each fits one call's carry
-#   bash bench/gpu_wheels.sh stage      # there, in calls that carry .whl/p1, p2, p3: copy them to /tmp/gpu_wheels
-#   bash bench/gpu_wheels.sh install    # there, in the next call, carrying .whl/p4: join, unpack into /tmp/site
+#                                       # 1 GB), cut it in three: .whl/p1 ... .whl/p3 (54 MiB each: a call
+#                                       # carries 64 MiB, the working tree included)
+#   bash bench/gpu_wheels.sh stage      # there, in calls that carry .whl/p1, then p2: copy them to /tmp/gpu_wheels
+#   bash bench/gpu_wheels.sh install    # there, in the next call, carrying .whl/p3: join, unpack into /tmp/site
 #   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 #
 # Wheels are unpacked (python3 -m zipfile -e), not pip-installed: no resolver, nothing of the image's own packages
 # is touched (the Triton here shadows torch's own only through PYTHONPATH), and the cutlass DSL's .pth file (which
 # puts dsl_packages on sys.path) is replaced by PYTHONPATH. Triton's profiler parts (cupti, proton) and its
-# Blackwell ptxas are left out: nothing here uses them, and they would need a third call. On a machine with an
+# Blackwell ptxas are left out: nothing here uses them, and they would need another call. On a machine with an
 # index: pip install flash-attn-4 fla-core==0.6.0 triton==3.7.1.
 set -euo pipefail
 WHEELS=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
@@ -22,7 +23,7 @@ STAGE=/tmp/gpu_wheels
 
 case "${1:-}" in
 download)
-    rm -rf .whl/all .whl/site .whl/p? && mkdir -p .whl/all .whl/site .whl/p1 .whl/p2 .whl/p3 .whl/p4
+    rm -rf .whl/all .whl/site .whl/p? && mkdir -p .whl/all .whl/site .whl/p1 .whl/p2 .whl/p3
     for w in "${WHEELS[@]}"; do
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -32,7 +33,7 @@ download)
     rm -rf .whl/site/*.pth .whl/site/triton/backends/nvidia/lib/cupti .whl/site/triton/_C/libproton.so \
         .whl/site/triton/instrumentation .whl/site/triton/backends/nvidia/bin/ptxas-blackwell
     tar -cf - -C .whl site | xz -T0 -6 > .whl/site.tar.xz
-    split -n 4 .whl/site.tar.xz .whl/site.tar.xz.part
+    split -n 3 .whl/site.tar.xz .whl/site.tar.xz.part
     i=1; for part in .whl/site.tar.xz.parta?; do mv "$part" ".whl/p$i/"; i=$((i + 1)); done
     rm -rf .whl/site .whl/site.tar.xz
     du -sh .whl/p?

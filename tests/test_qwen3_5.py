@@ -4,6 +4,7 @@ gloo, one spawn per world size) and with packed documents; the HF round trip.
 
     python -m pytest tests/test_qwen3_5.py -q -p no:xdist
 """
+import ast
 import functools
 import itertools
 import json
@@ -731,16 +732,28 @@ def test_context_parallel_equals_one_device(world, reference, tmp_path):
 
 def interpreting_fla():
     """True where fla's kernels run on the CPU under Triton's interpreter: TRITON_INTERPRET=1 set before Triton
-    loads, fla-core 0.6 and Triton >= 3.7.1 installed, no GPU. Triton's autotuner times its configs on a GPU; here
-    it takes each kernel's first (the interpreter computes the same whatever the warps)."""
+    loads, fla-core 0.6 and Triton >= 3.7.1 installed, no GPU. Two differences from a GPU are bridged here:
+    - Triton's autotuner times its configs on a GPU; here it takes each kernel's first (the interpreter computes
+      the same whatever the warps);
+    - compiled, a loop's counter is a Triton integer; interpreted, it is a Python int, on which fla's
+      `i_t.to(tl.int64)` fails. The interpreter rewrites each kernel's source before running it; the rewrite here
+      also turns each `for name in ...` counter into a Triton integer at the top of the loop's body."""
     if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
         return False
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
-        from triton.runtime import autotuner
+        from triton.runtime import autotuner, interpreter
     except ImportError:
         return False
     autotuner.Autotuner.do_bench = property(lambda self: lambda call, quantiles=None: [1.0, 1.0, 1.0])
+
+    class CountersAsTensors(interpreter.ASTTransformer):
+        def visit_For(self, node):  # `i = i` first in the body: visit_Assign makes its value a Triton tensor
+            if isinstance(node.target, ast.Name):
+                name = node.target.id
+                node.body.insert(0, ast.Assign([ast.Name(name, ast.Store())], ast.Name(name, ast.Load())))
+            return self.generic_visit(node)
+    interpreter.FunctionRewriter.ast_transformer = CountersAsTensors()
     return True
 
 

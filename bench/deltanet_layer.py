@@ -1,5 +1,6 @@
 """One Gated DeltaNet layer of Qwen3.5 (million/qwen3_5.py) taken apart and timed, so that the DeltaNet part of a
-step (plan.py's deltanet_s_per_mtoken_layer: 4.3 s of the 9B's 24.4 s LoRA step at 131,072 tokens) has an owner.
+step (plan.py's deltanet_s_per_mtoken_layer: 1.46 s of the 9B's 21.6 s LoRA step at 131,072 tokens; 4.3 s of
+24.4 s before fla took the conv and the rule inputs) has an owner.
 
     python bench/deltanet_layer.py                         # GPU: the 9B's DeltaNet dims, 131,072 tokens, bf16
     python bench/deltanet_layer.py --small                 # any machine: tiny dims on the CPU, the code paths

@@ -85,13 +85,11 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark:
                    # token per width, forward and backward) x 1.3 for the recompute's forward; NF4: QLoRA's 131k
                    # step over LoRA's, 0.72 s for 6.95 B NF4 weights
                    adapter_ps_per_token_width=3.6, nf4_s_per_gparam=0.104,
-                   # Qwen3.5 9B on one H200, fla and FA4, LoRA r16 at 131,072 tokens with the fused norms: the
-                   # step's time and peak less the rest of this model (bench/NOTES.md, "Qwen3.5's norms as one
-                   # kernel each way"; with the eager norms the same fit gave 2.34 s and 318 KB). Its conv was
-                   # F.conv1d and its rule inputs eager; since, fla runs the conv (with its SiLU) and normalises q
-                   # and k in its kernels: ~90 ms a layer-step less predicted, so this is about 0.7 high until a
-                   # step is measured again (bench/NOTES.md, "The rule inputs inside fla's kernels")
-                   deltanet_s_per_mtoken_layer=1.365, deltanet_work_bytes_per_token=269e3,
+                   # Qwen3.5 9B on one H200, fla and FA4, LoRA r16 at 131,072 tokens: the step's time and peak less
+                   # the rest of this model (bench/NOTES.md, "The 131k steps with fla's conv and the rule inputs
+                   # inside fla"). Before, with F.conv1d and the rule inputs eager, the same fit gave 1.365 s and
+                   # 269 KB (tests/test_plan.py still checks those runs with them)
+                   deltanet_s_per_mtoken_layer=0.465, deltanet_work_bytes_per_token=224e3,
                    # bench/deltanet_layer.py on one H200 at 131,072 tokens (a rank's share of 1M on 8): fla's rule in
                    # its cp form costs 70.9 ms a layer-step (forward, backward, one more forward) against 42.0 ms
                    deltanet_cp_s_per_mtoken_layer=0.221)

@@ -357,7 +357,7 @@ class GatedDeltaNet(nn.Module):
     def _tiled(self, x, mixer, doc_lens):
         """The lever deltanet_tile (one device): the layer over pieces of at most `tile` tokens, each under
         activation checkpointing, the state and the conv's last K - 1 inputs carried from piece to piece and reset
-        at each document's start. The backward then holds one piece's intermediates (about 269 KB a token at the
+        at each document's start. The backward then holds one piece's intermediates (about 224 KB a token at the
         9B shape) instead of the sequence's; the cost is one more forward of the layer. The same function as
         forward (tests/test_qwen3_5.py)."""
         if mixer.world() > 1:

@@ -307,8 +307,10 @@ def test_no_fit_names_lora_qlora_and_a_length_that_fit():
 
 # --- Qwen3.5 ---------------------------------------------------------------------------------------------
 
-Q35_RUNS = os.path.join(ROOT, "bench", "results", "qwen3_5_fla_2026-12-05")  # the fused norms'; the eager ones'
-# (qwen3_5_fla_2026-12-04) no longer describe the code
+Q35_RUNS = os.path.join(ROOT, "bench", "results", "qwen3_5_fla_2026-12-05b")  # fla's conv, the rule inputs in fla
+Q35_BEFORE = os.path.join(ROOT, "bench", "results", "qwen3_5_fla_2026-12-05")  # F.conv1d, the rule inputs eager
+# (the fit gave 1.365 s and 269 KB); the eager norms' runs (qwen3_5_fla_2026-12-04) no longer describe the code
+BEFORE = replace(plan.FITTED, deltanet_s_per_mtoken_layer=1.365, deltanet_work_bytes_per_token=269e3)
 Q35_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
                "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
@@ -365,17 +367,27 @@ def test_qwen3_5_moe_counts_are_the_models():
         p.numel() for p in adapted.parameters() if p.requires_grad)
 
 
-def q35_runs():
-    """The measured steps: (kind, tokens, offloaded blocks, DeltaNet pieces, step s, peak GiB, pinned host GiB),
-    the second step of each (the first holds the warm-up)."""
+def second_step(folder, name):
+    """(step s, peak GiB, pinned host GiB) of a run's second step (the first holds the warm-up)."""
     import json
+    with open(os.path.join(folder, f"{name}.metrics.jsonl")) as fh:
+        row = [json.loads(line) for line in fh][-1]
+    assert row["step"] == 2
+    return row["step_time_s"], row["peak_mem_gib"], row["host_pinned_gib"]
+
+
+def q35_runs():
+    """The measured steps: (constants, kind, tokens, levers, step s, peak GiB, pinned host GiB). The QLoRA and
+    524,288-token runs were measured before fla took the conv and the rule inputs, and are checked with that
+    code's DeltaNet constants (BEFORE)."""
     runs = []
-    for kind, tokens, offloaded, tile in (("lora", 131072, 32, 0), ("full", 131072, 32, 0),
-                                          ("qlora", 131072, 32, 0), ("lora", 524288, 23, 16384)):
-        with open(os.path.join(Q35_RUNS, f"q35_{kind}_{tokens}.metrics.jsonl")) as fh:
-            row = [json.loads(line) for line in fh][-1]
-        assert row["step"] == 2
-        runs.append((kind, tokens, offloaded, tile, row["step_time_s"], row["peak_mem_gib"], row["host_pinned_gib"]))
+    for k, folder, kind, tokens, lv, name in (
+            (plan.FITTED, Q35_RUNS, "lora", 131072, plan.Levers(32, 32), ""),
+            (plan.FITTED, Q35_RUNS, "full", 131072, plan.Levers(32, 32), ""),
+            (plan.FITTED, Q35_RUNS, "lora", 131072, plan.Levers(32, 32, keep_mlp_layers=11), "_fit_auto"),
+            (BEFORE, Q35_BEFORE, "qlora", 131072, plan.Levers(32, 32), ""),
+            (BEFORE, Q35_BEFORE, "lora", 524288, plan.Levers(23, 32, deltanet_tile=16384), "")):
+        runs.append((k, kind, tokens, lv) + second_step(folder, f"q35_{kind}_{tokens}{name}"))
     return runs
 
 
@@ -383,15 +395,14 @@ def test_qwen3_5_steps_are_predicted():
     """The DeltaNet constants are the 131k LoRA run's residual (its step and peak less the rest of the model), and
     with them the other runs are predicted, time within 5% and GPU peak within 9% (on the safe side), pinned host
     exact (the offloaded blocks' inputs and the attention layers' kept outputs: DeltaNet blocks keep none): the fit
-    itself, the full fine-tune (-4.4% and +6.1%), QLoRA (+0.2%, +1.2%) and 524,288 tokens in pieces of 16,384
-    (-1.6%, +1.2%)."""
-    k = plan.FITTED
-    for kind, tokens, offloaded, tile, step_s, peak, host in q35_runs():
+    itself, the full fine-tune (+0.1% and +6.4%), the plan --fit auto chose (11 blocks keep their MLP's gate and up
+    outputs: -0.0%, +7.5%), and with the constants of the code before, QLoRA (+0.2%, +1.2%) and 524,288 tokens in
+    pieces of 16,384 (-1.6%, +1.2%)."""
+    for k, kind, tokens, lv, step_s, peak, host in q35_runs():
         s = q35_shape(tokens, **dict(lora={}, qlora=dict(quantize="nf4"),
                                      full=dict(lora_rank=0, param_bytes=2, stochastic_rounding=True))[kind])
-        lv = plan.Levers(offloaded, s.layers, deltanet_tile=tile)
-        c = plan.predict(s, lv)
-        if (kind, tokens) == ("lora", 131072):  # the fit: what the constants were read from
+        c = plan.predict(s, lv, k)
+        if (kind, tokens, lv.keep_mlp_layers) == ("lora", 131072, 0):  # the fits: what the constants were read from
             rest = replace(k, deltanet_s_per_mtoken_layer=0.0, deltanet_work_bytes_per_token=0.0)
             per = (step_s - plan.step_seconds(s, lv, rest)) / (24 * tokens / 1e6)
             work = (peak * 2**30 - plan.gpu_bytes(s, lv, rest) + k.work_bytes_per_token_hidden * s.hidden * tokens)
@@ -402,15 +413,33 @@ def test_qwen3_5_steps_are_predicted():
         assert c.host_gib == pytest.approx(host, rel=1e-3), (kind, tokens, c.host_gib, host)
 
 
+def test_qwen3_5_moe_step_is_under_predicted_as_written_down():
+    """The 35B-A3B's LoRA step at 131k (one H200) against the plan: memory on the safe side (+9.2%), pinned host
+    exact, but the time 12% short (20.97 s predicted, 23.94 s measured). Its experts (256 of them, 512 wide, about
+    512 rows each in a 16,384-token tile) are narrower and fuller of groups than the Qwen3-MoE runs the MoE rate
+    was fitted to; one run cannot say which term is off, so this pins the miss (bench/NOTES.md) rather than fitting
+    a constant to it. A change to the MoE terms that moves it fails here, and should update the note."""
+    from million import lora
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b"))
+    s = plan.Shape.of(mcfg, 131072, 1, 1, 1, attn_backend="fa4", lora_rank=16,
+                      lora_targets=lora.ATTENTION + lora.DELTANET)
+    step_s, peak, host = second_step(Q35_RUNS, "q35-35b-a3b_lora_131072")
+    c = plan.predict(s, plan.Levers(s.layers, s.layers))
+    assert -0.13 < c.step_s / step_s - 1 < -0.12, (c.step_s, step_s)
+    assert 0 < c.gpu_gib / peak - 1 < 0.10, (c.gpu_gib, peak)
+    assert c.host_gib == pytest.approx(host, rel=1e-3)
+
+
 def test_qwen3_5_under_cp_counts_the_summaries_as_measured():
     """Under context parallelism the DeltaNet term grows by the span summaries' measured rate (bench/deltanet_layer.py
-    at a rank's 131,072 tokens: the rule's cp form over the rule), not by (dk + dv) / dv on the whole term."""
+    at a rank's 131,072 tokens: the rule's cp form over the rule, measured as the rule was called before fla took
+    its inputs), not by (dk + dv) / dv on the whole term."""
     one, eight = q35_shape(131072), replace(q35_shape(1048576), cp=8)  # 8 ranks of 131,072 tokens
     assert eight.tokens == one.tokens
     measured = ((55.49 + 15.45) - (33.8 + 8.19)) / 1e3  # s a layer-step (fwd + bwd + one more fwd), 131,072 tokens
     extra = plan.deltanet_seconds(eight) - plan.deltanet_seconds(one)
     assert extra == pytest.approx(measured * 24, rel=2e-3)
-    assert 1.1 < plan.deltanet_seconds(eight) / plan.deltanet_seconds(one) < 1.2
+    assert 1.4 < plan.deltanet_seconds(eight) / plan.deltanet_seconds(one) < 1.5  # (dk + dv) / dv: 2
 
 
 def test_qwen3_5_no_fit_names_what_fits():

@@ -171,7 +171,7 @@ class _TiledMoE(torch.autograd.Function):
     for each [N*k, 2048] in bf16). The backward recomputes each tile under autograd (the same rows route the same
     way) and sums the tiles' weight gradients in fp32 buffers, rounded to the weights' dtype once at the end (each
     tile's own comes out of autograd in that dtype): 3 x E x I x H x 4 bytes while a block runs backward (2.3 GiB
-    for Qwen3-30B-A3B)."""
+    for Qwen3-30B-A3B). Frozen weights (LoRA's) get neither the buffers nor the GEMMs."""
 
     @staticmethod
     def forward(ctx, x, tile, value_is_read, top_k, norm_topk_prob, *ws):
@@ -199,17 +199,22 @@ class _TiledMoE(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy, dprob_sums):
         x, *ws = ctx.saved_tensors
+        # Only the weights that train get gradients: under LoRA the router and the experts are frozen, and their
+        # weight gradients (a third of the experts' GEMMs in the backward, the fp32 sums) are not computed
+        train = ctx.needs_input_grad[5:]
         dx = torch.empty_like(x)
-        acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in ws]
+        acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w, t in zip(ws, train) if t]
         for xt, dyt, dxt in zip(x.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
             with torch.enable_grad():
-                leaves = [xt.detach().requires_grad_(), *(w.detach().requires_grad_() for w in ws)]
+                leaves = [xt.detach().requires_grad_(), *(w.detach().requires_grad_(t) for w, t in zip(ws, train))]
                 yt, _, pt = moe_rows(*leaves, *ctx.routing)
-                grads = torch.autograd.grad([yt, pt], leaves, [dyt, dprob_sums], materialize_grads=True)
+                wanted = [leaves[0], *(w for w, t in zip(leaves[1:], train) if t)]
+                grads = torch.autograd.grad([yt, pt], wanted, [dyt, dprob_sums], materialize_grads=True)
             dxt.copy_(grads[0])
             for a, g in zip(acc, grads[1:]):
                 a += g
-        return dx, None, None, None, None, *(a.to(w.dtype) for a, w in zip(acc, ws))
+        sums = iter(acc)
+        return dx, None, None, None, None, *(next(sums).to(w.dtype) if t else None for w, t in zip(ws, train))
 
 
 @dataclass

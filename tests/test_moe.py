@@ -255,6 +255,38 @@ def test_tiled_moe_makes_no_tensor_of_the_whole_sequence():
     assert largest(0) >= 0.8 * N * 2 // 4 * I and largest(100) == N * H, (largest(0), largest(100))
 
 
+@pytest.mark.parametrize("frozen", ["experts", "router and experts"])
+def test_tiled_moe_computes_no_gradient_for_frozen_weights(frozen):
+    """Under LoRA the router and the experts are frozen. The tiled block's backward then skips the frozen weights'
+    gradients: exactly their FLOPs less (FlopCounterMode: 2 x routed rows x 3 x H x I for the experts, 2 x N x H x E
+    for the router), with the same input gradient and the same gradient for a router that still trains."""
+    from torch.utils.flop_counter import FlopCounterMode
+    N, H, I, E, k = 300, 16, 24, 4, 2
+    block = moe.SparseMoE(moe_cfg(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k))
+    block.tile = 70
+    x = torch.randn(1, N, H, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def backward():
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        y, _, prob_sums = block.with_stats(x)
+        with FlopCounterMode(display=False) as fc:
+            (y.square().sum() + prob_sums.sum()).backward()
+        return fc.get_total_flops(), x.grad.clone(), block.gate.weight.grad
+    trained, dx, d_router = backward()
+    block.experts.requires_grad_(False)
+    saved = 2 * N * k * 3 * H * I
+    if frozen == "router and experts":
+        block.gate.requires_grad_(False)
+        saved += 2 * N * H * E
+    left, dx_frozen, d_router_frozen = backward()
+    assert all(p.grad is None for p in block.parameters() if not p.requires_grad)
+    torch.testing.assert_close(dx_frozen, dx, rtol=0, atol=0)
+    if frozen == "experts":
+        torch.testing.assert_close(d_router_frozen, d_router, rtol=0, atol=0)
+    assert trained - left == saved, (trained, left, saved)
+
+
 # --- the ring: cp 2 and 4 under gloo -----------------------------------------------------------------
 
 def cp_model():

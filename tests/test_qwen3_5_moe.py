@@ -168,11 +168,13 @@ def test_context_parallel_equals_one_device(world, tmp_path):
         assert_grads_close({n: sum(r["grads"][n] for r in got) for n in got[0]["grads"]}, grads(model), where)
 
 
-def test_lora_matches_peft(tmp_path):
+@pytest.mark.parametrize("tile", [0, 7])
+def test_lora_matches_peft(tmp_path, tile):
     """lora.apply on the attention and DeltaNet projections (the experts and the shared expert stay frozen, with no
     adapter) against PEFT on transformers' Qwen3_5MoeForCausalLM with the same adapter values, fp32: the loss with
-    its load-balancing term within 1e-6 relative, every adapter's gradient within 2e-4 (as for the dense model);
-    the MLP targets are refused with one line."""
+    its load-balancing term within 1e-6 relative, every adapter's gradient within 2e-4 (as for the dense model),
+    whole and with the MoE blocks in tiles of 7 rows under recompute (whose backward skips the frozen experts'
+    gradients); the MLP targets are refused with one line."""
     import peft
     from transformers import AutoModelForCausalLM
     from million import lora
@@ -183,6 +185,8 @@ def test_lora_matches_peft(tmp_path):
     pm = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), peft.LoraConfig(
         r=RANK, lora_alpha=ALPHA, target_modules=list(targets), lora_dropout=0.0))
     m = adapted(make_model(torch.float32, cfg()), targets)
+    if tile:
+        m.set_levers(recompute=True, mlp_tile=tile)
     theirs = {n: p for n, p in pm.named_parameters() if p.requires_grad}
     ours = {n: p for n, p in m.named_parameters() if p.requires_grad}
     assert {peft_name(n) for n in ours} == set(theirs) and len(ours) == 2 * (4 + 5 * 3)

@@ -203,7 +203,8 @@ class _TiledMoE(torch.autograd.Function):
         # weight gradients (a third of the experts' GEMMs in the backward, the fp32 sums) are not computed
         train = ctx.needs_input_grad[5:]
         dx = torch.empty_like(x)
-        acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w, t in zip(ws, train) if t]
+        acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) if t else None
+               for w, t in zip(ws, train)]
         for xt, dyt, dxt in zip(x.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
             with torch.enable_grad():
                 leaves = [xt.detach().requires_grad_(), *(w.detach().requires_grad_(t) for w, t in zip(ws, train))]
@@ -211,10 +212,9 @@ class _TiledMoE(torch.autograd.Function):
                 wanted = [leaves[0], *(w for w, t in zip(leaves[1:], train) if t)]
                 grads = torch.autograd.grad([yt, pt], wanted, [dyt, dprob_sums], materialize_grads=True)
             dxt.copy_(grads[0])
-            for a, g in zip(acc, grads[1:]):
+            for a, g in zip([a for a in acc if a is not None], grads[1:]):
                 a += g
-        sums = iter(acc)
-        return dx, None, None, None, None, *(next(sums).to(w.dtype) if t else None for w, t in zip(ws, train))
+        return dx, None, None, None, None, *(None if a is None else a.to(w.dtype) for a, w in zip(acc, ws))
 
 
 @dataclass

@@ -9,6 +9,7 @@
     python -m pytest tests/test_survival.py tests/e2e/test_long_runs.py -q
 """
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -62,6 +63,7 @@ class Log:
             with contextlib.suppress(OSError):  # a full disk: the line is on stderr all the same
                 self._keep(line)
         write_line(sys.stderr, line)
+        tell_launcher(line)
 
     def _keep(self, line: str):
         if self.fh is None:
@@ -75,6 +77,15 @@ class Log:
             for line in self.held:
                 self.fh.write(line.replace("\n", " ") + "\n")
             self.held = []
+
+
+def tell_launcher(line: str):
+    """The error line also goes to the file torchrun gives each worker (TORCHELASTIC_ERROR_FILE): the summary
+    torchrun prints after a failed run then names it as the root cause, instead of a link to torch's docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
 class SharedError(SystemExit):

@@ -230,6 +230,12 @@ def test_a_data_error_mid_run_saves_first_and_names_the_file(tmp_path):
     assert p.returncode != 0 and len(lines) == 1 and "b.txt" in lines[0], p.stderr[-3000:]
     done = rows(out)[-1]["step"]
     assert steps(out)[-1] == done >= 1 and "checkpoint of step" in lines[0]
+    assert root_cause(p) == lines[0], p.stderr[-3000:]
+
+
+def root_cause(p) -> str:
+    """The cause torchrun's summary of a failed run names last (its "Root Cause" block's traceback line)."""
+    return p.stderr.rsplit("Root Cause", 1)[-1].split("traceback : ", 1)[-1].splitlines()[0]
 
 
 def test_unknown_flag_says_what_was_meant_once(tmp_path):
@@ -238,6 +244,7 @@ def test_unknown_flag_says_what_was_meant_once(tmp_path):
     lines = [x for x in p.stderr.splitlines() if x.startswith("error")]
     assert p.returncode != 0 and lines == ["error: --max_step: unknown flag; did you mean --max_steps? "
                                            "(python train.py --help lists every flag)"], p.stderr[-2000:]
+    assert root_cause(p) == lines[0], p.stderr[-2000:]  # not torchrun's link to its docs
 
 
 def test_help_and_a_short_config_line(tmp_path):

@@ -286,7 +286,7 @@ def check_config(cfg: TrainConfig, world: int):
     kind = hf.model_type(cfg.model) if os.path.isdir(cfg.model) else ""  # a hub id's: once it is downloaded
     if kind.startswith("qwen3_5"):  # Qwen3.5
         from million import qwen3_5
-        why = qwen3_5.check_flags(cfg, kind)
+        why = qwen3_5.check_flags(cfg, kind, context_parallel(cfg, world))
         need(why is None, why)
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
          f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "

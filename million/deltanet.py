@@ -49,6 +49,9 @@ def resolve_kernel(kernel="auto"):
     also runs on the CPU and is the oracle the fla path is tested against). auto: fla where it can run."""
     if kernel not in KERNELS:
         raise ValueError(f"--deltanet_kernel {kernel}: use one of {', '.join(KERNELS)}")
+    if kernel == "fla" and not torch.cuda.is_available():
+        raise ValueError("--deltanet_kernel fla needs a CUDA GPU (fla's kernels are Triton's): pass --deltanet_kernel "
+                         "torch or auto")
     if kernel == "fla" and fla_unavailable():
         raise ValueError(f"--deltanet_kernel fla: {fla_unavailable()}; install it with `pip install fla-core "
                          "triton>=3.7.1` (bench/gpu_wheels.sh without a package index) or pass --deltanet_kernel torch")

@@ -72,9 +72,11 @@ class Qwen3_5Config:
         if bad or len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types must give one of {LAYER_TYPES} per layer ({self.num_hidden_layers}); "
                              f"got {len(self.layer_types)} entries{', unknown ' + str(bad) if bad else ''}")
-        if self.num_attention_heads % self.num_key_value_heads or \
-                self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError("query heads must be a multiple of KV heads, DeltaNet value heads of key heads")
+        for many, few in (("num_attention_heads", "num_key_value_heads"),
+                          ("linear_num_value_heads", "linear_num_key_heads")):
+            if getattr(self, many) % getattr(self, few):
+                raise ValueError(f"{many} {getattr(self, many)} is not a multiple of {few} {getattr(self, few)}: "
+                                 "the heads are shared in whole groups")
 
     def yarn_scaled(self, factor: float, original: int) -> "Qwen3_5Config":
         """--yarn_factor as for Qwen3 (model.Qwen3Config.yarn_scaled: max_position_embeddings and rope_scaling
@@ -503,9 +505,9 @@ def model_class(cfg: Qwen3_5Config) -> type:
 
 # --- In train.py ---------------------------------------------------------------------------------
 
-def check_flags(cfg, model_type: str = "qwen3_5") -> str | None:
-    """What train.py's flags (config.TrainConfig) ask of a Qwen3.5 (config.json's model_type) that it does not do,
-    in one line; or None."""
+def check_flags(cfg, model_type: str = "qwen3_5", cp: int = 1, mcfg: Qwen3_5Config | None = None) -> str | None:
+    """What train.py's flags (config.TrainConfig) ask of a Qwen3.5 (config.json's model_type; mcfg, or the one read
+    from a local --model) that it does not do, in one line; or None."""
     if cfg.lora_rank and "moe" in model_type:
         from million import lora
         why = lora.moe_targets_error(Qwen3_5MoeConfig(), lora.parse_targets(cfg.lora_targets), cfg.quantize)
@@ -513,10 +515,15 @@ def check_flags(cfg, model_type: str = "qwen3_5") -> str | None:
             return why
     try:
         resolve_kernel(getattr(cfg, "deltanet_kernel", "auto"))
-        if cfg.yarn_factor and os.path.isdir(cfg.model):  # a hub id's: when train.py applies it, once downloaded
-            read_config(cfg.model).yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
+        mcfg = mcfg or (read_config(cfg.model) if os.path.isdir(cfg.model) else None)  # a hub id's: once downloaded
+        if mcfg and cfg.yarn_factor:
+            mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
     except ValueError as e:
         return str(e)
+    history, chunk = (mcfg.linear_conv_kernel_dim - 1 if mcfg else 0), cfg.seq_len // (2 * cp)
+    if cp > 1 and chunk < history:  # the conv's halo comes from the one chunk before (DeltaNetMixer.conv)
+        return (f"--seq_len {cfg.seq_len} at cp {cp} cuts chunks of {chunk} tokens, fewer than the {history} tokens "
+                f"the DeltaNet conv reads from the chunk before: pass --seq_len {2 * cp * history} or more")
     return None
 
 
@@ -527,7 +534,7 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
     id's; a local folder's are refused before start-up by config.check_config)."""
     from million import documents
     from million.survival import SharedError
-    why = check_flags(cfg, mcfg.raw.get("model_type", "qwen3_5"))
+    why = check_flags(cfg, mcfg.raw.get("model_type", "qwen3_5"), cp_group.size() if cp_group else 1, mcfg)
     if why:
         raise SharedError(f"error: {why}")
     layout = functools.partial(documents.cp_layout, balanced=cfg.doc_attention == "balanced")

@@ -912,6 +912,10 @@ def test_unsupported_model_type_is_refused(tmp_path):
         read_config(str(tmp_path))
     with pytest.raises(ValueError, match="layer_types"):
         Qwen3_5Config.tiny(layer_types=["linear_attention"] * 3 + ["sliding_attention"])
+    with pytest.raises(ValueError, match="^linear_num_value_heads 7 is not a multiple of linear_num_key_heads 3"):
+        Qwen3_5Config.tiny(linear_num_value_heads=7)
+    with pytest.raises(ValueError, match="^num_attention_heads 5 is not a multiple of num_key_value_heads 2"):
+        Qwen3_5Config.tiny(num_key_value_heads=2)
 
 
 def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
@@ -924,12 +928,12 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
     folder = tmp_path / "q"
     folder.mkdir()
 
-    def error(model_type, *flags):
+    def error(model_type, *flags, world=1):
         d = {**Qwen3_5Config.tiny().to_hf_dict(), "model_type": model_type}
         (folder / "config.json").write_text(json.dumps(d))
         cfg, _ = config.parse_args(["--config", "demo", "--model", str(folder), *flags])
         try:
-            config.check_config(cfg, 1)
+            config.check_config(cfg, world)
         except SystemExit as e:
             return e.code
     assert error("qwen3_5_text", "--lora_rank", "4", "--lora_targets", "in_proj_qkv,out_proj") is None
@@ -944,10 +948,20 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
     from million.deltanet import fla_unavailable
     bad = error("qwen3_5_text", "--deltanet_kernel", "triton")
     assert bad == "error: --deltanet_kernel triton: use auto, fla or torch", bad
-    if fla_unavailable():  # the CPU (CI): asking for fla says why it cannot run and what to do instead
+    if not torch.cuda.is_available():  # the CPU (CI): asking for fla says why it cannot run and what to do instead
+        fla = error("qwen3_5_text", "--deltanet_kernel", "fla")
+        assert fla == "error: --deltanet_kernel fla needs a CUDA GPU (fla's kernels are Triton's): pass " \
+                      "--deltanet_kernel torch or auto", fla
+    elif fla_unavailable():  # a GPU without fla: why, and how to install it
         fla = error("qwen3_5_text", "--deltanet_kernel", "fla")
         assert fla.startswith(f"error: --deltanet_kernel fla: {fla_unavailable()}") and \
             "--deltanet_kernel torch" in fla and "\n" not in fla, fla
+    # the conv's halo (3 tokens at the tiny's kernel of 4) comes from one chunk: chunks of 2 at cp 2 are refused
+    short = error("qwen3_5_text", "--seq_len", "8", "--loss_buckets", "4", world=2)
+    assert short == ("error: --seq_len 8 at cp 2 cuts chunks of 2 tokens, fewer than the 3 tokens the DeltaNet conv "
+                     "reads from the chunk before: pass --seq_len 12 or more"), short
+    assert error("qwen3_5_text", "--seq_len", "12", "--loss_buckets", "4", world=2) is None
+    assert error("qwen3_5_text", "--seq_len", "8", "--loss_buckets", "4", "--cp", "1", world=2) is None
     error("mamba")
     with pytest.raises(ValueError, match="'qwen3_5_moe_text'"):  # what rank 0 says of a hub id's folder
         read_config(str(folder))

@@ -256,10 +256,11 @@ def check_config(cfg: TrainConfig, world: int):
          f"--seq_len {cfg.seq_len} must be a positive multiple of 2*cp = {2 * cp} (zigzag sharding cuts the "
          f"sequence into 2*cp equal chunks); e.g. --seq_len {max(2 * cp, cfg.seq_len // (2 * cp) * 2 * cp)}")
     for key in ("grad_accum", "max_steps", "loss_chunk", "keep_checkpoints", "max_skipped_steps"):
-        need(getattr(cfg, key) >= 1, f"--{key} must be >= 1")
-    need(cfg.lr > 0 and 0 <= cfg.min_lr_ratio <= 1 and cfg.warmup_steps >= 0, "--lr > 0, 0 <= --min_lr_ratio <= 1, "
-         "--warmup_steps >= 0")
-    need(cfg.ckpt_every >= 0 and cfg.ckpt_every_min >= 0, "--ckpt_every and --ckpt_every_min must be >= 0")
+        need(getattr(cfg, key) >= 1, f"--{key} {getattr(cfg, key)}: must be >= 1")
+    need(cfg.lr > 0, f"--lr {cfg.lr}: must be > 0")
+    need(0 <= cfg.min_lr_ratio <= 1, f"--min_lr_ratio {cfg.min_lr_ratio}: must lie in 0..1 (of --lr)")
+    for key in ("warmup_steps", "ckpt_every", "ckpt_every_min"):
+        need(getattr(cfg, key) >= 0, f"--{key} {getattr(cfg, key)}: must be >= 0")
     need(cfg.dist_timeout_min > 0, "--dist_timeout_min must be > 0")
     need(cfg.resume in ("auto", "none") or os.path.isfile(os.path.join(cfg.resume, "manifest.json")),
          f"--resume {cfg.resume}: not a checkpoint folder (no manifest.json); use auto, none, or a folder "

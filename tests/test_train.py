@@ -35,3 +35,27 @@ def test_progress_reads_as_trl_writes_it():
     assert progress(380.1, [380.1], 11) == "06:20<1:09:41, 380.10s/it"  # TRL: 1/12 [06:20<1:09:41, 380.10s/it]
     assert progress(1.0, [0.2, 0.25, 9.0], 100) == "00:01<00:25, 4.00it/s"  # the median, not the mean
     assert clock(0) == "00:00" and clock(59.6) == "01:00" and clock(3600) == "1:00:00" and clock(90061) == "25:01:01"
+
+
+def test_a_bad_flag_value_is_named_with_its_value_and_the_rule():
+    """config.check_config: each bad value stops the run with one line naming the flag, the value given and what
+    it must be (train.py prints it on rank 0); a value on the edge passes."""
+    import pytest
+    from million import config
+
+    def error(*flags):
+        cfg, _ = config.parse_args(["--config", "demo", *flags])
+        try:
+            config.check_config(cfg, 2)
+        except SystemExit as e:
+            return e.code
+    assert error("--lr", "-1") == "error: --lr -1.0: must be > 0"
+    assert error("--min_lr_ratio", "1.5") == "error: --min_lr_ratio 1.5: must lie in 0..1 (of --lr)"
+    assert error("--grad_accum", "0") == "error: --grad_accum 0: must be >= 1"
+    assert error("--warmup_steps", "-2") == "error: --warmup_steps -2: must be >= 0"
+    assert error("--ckpt_every_min", "-1.0") == "error: --ckpt_every_min -1.0: must be >= 0"
+    assert error("--seq_len", "1001") == ("error: --seq_len 1001 must be a positive multiple of 2*cp = 4 (zigzag "
+                                          "sharding cuts the sequence into 2*cp equal chunks); e.g. --seq_len 1000")
+    assert error("--min_lr_ratio", "1", "--warmup_steps", "0", "--ckpt_every", "0") is None
+    with pytest.raises(SystemExit):  # a type argparse cannot read: its own usage line
+        config.parse_args(["--config", "demo", "--lr", "fast"])

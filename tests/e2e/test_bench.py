@@ -34,3 +34,22 @@ def test_the_cpu_mode_runs(name, tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert json.load(open(tmp_path / result)), name
+
+
+def test_the_readme_s_reading_counts_hold(tmp_path):
+    """The README's "Reading order": each core file's line count and their sum exactly (wc -l), and the package
+    lines a run calls within 10% of what bench/reading.py traces now (so that the README is rewritten when the
+    path a reader follows grows or shrinks, not for every small edit)."""
+    import re
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "reading.py"), "--out", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    r = json.load(open(tmp_path / "r.json"))
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for name, n in r["core"].items():
+        assert f"`{name}` ({n})" in readme, (name, n)
+    assert f"5 files, {r['core_lines']:,} lines" in readme, r["core_lines"]
+    said = re.search(r"hold ([\d,]+) lines in (\d+) modules, ([\d,]+) in all", readme.replace("\n", " "))
+    package, modules, total = int(said[1].replace(",", "")), int(said[2]), int(said[3].replace(",", ""))
+    assert abs(package - r["package_lines"]) <= 0.1 * r["package_lines"], (package, r["package"])
+    assert modules == len(r["package"]) and total == r["core_lines"] + package, (modules, total, r)

@@ -183,10 +183,20 @@ def local_folder(path_or_hub_id: str) -> str:
                               "folder instead.") from e
 
 
+def read_safetensors(file: str) -> dict:
+    """{name: tensor} of one safetensors file; a file cut short or not safetensors is named, with what to do."""
+    from safetensors.torch import load_file
+    try:
+        return load_file(file)
+    except Exception as e:  # safetensors' SafetensorError, or an OSError
+        raise ValueError(f"{file} cannot be read as safetensors ({type(e).__name__}: {e}): a download or copy cut "
+                         "short? Fetch the checkpoint again (a hub id: delete that file from the hub cache first)"
+                         ) from None
+
+
 def load_hf_state_dict(path: str, names: list[str], dtype, num_experts: int = 0) -> dict | None:
     """Our parameter names -> tensors from (possibly sharded) safetensors, the experts' stacked; None when the
     folder has none."""
-    from safetensors import safe_open
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         return None
@@ -196,9 +206,7 @@ def load_hf_state_dict(path: str, names: list[str], dtype, num_experts: int = 0)
             files = sorted(set(json.load(fh)["weight_map"].values()))
     tensors = {}
     for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as st:
-            for k in st.keys():
-                tensors[k] = st.get_tensor(k)
+        tensors.update(read_safetensors(os.path.join(path, f)))
     want = {n: hf_names(n, num_experts) for n in names}
     missing = sorted(h for hs in want.values() for h in hs if h not in tensors)
     if missing:

@@ -590,9 +590,9 @@ def hf_names(name: str, cfg: Qwen3_5Config) -> list:
 
 
 def _read_safetensors(folder: str) -> dict:
-    from safetensors.torch import load_file
+    from million.hf import read_safetensors
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    return {k: t for f in files for k, t in load_file(os.path.join(folder, f)).items()}
+    return {k: t for f in files for k, t in read_safetensors(os.path.join(folder, f)).items()}
 
 
 def _is_text(hf: str, cfg: Qwen3_5Config) -> bool:

@@ -447,6 +447,12 @@ def test_missing_files_and_weights_give_clear_errors(tmp_path):
     save_file({"model.embed_tokens.weight": torch.zeros(97, 40)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks"):
         H.from_pretrained(str(tmp_path))
+    # a shard cut short (an interrupted download): the file is named, with what to do, not safetensors' own words
+    with open(tmp_path / "model.safetensors", "r+b") as fh:
+        fh.truncate(fh.seek(0, 2) // 2)
+    with pytest.raises(ValueError, match=r"model\.safetensors cannot be read as safetensors \(SafetensorError: .*"
+                                         r"Fetch the checkpoint again"):
+        H.from_pretrained(str(tmp_path))
 
 
 def test_config_only_folder_is_random_init_with_warning(tmp_path):

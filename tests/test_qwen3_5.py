@@ -967,3 +967,24 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
         read_config(str(folder))
     with pytest.raises(ValueError, match="none is a projection"):
         lora.apply(Qwen3(Qwen3Config.tiny()), 4, targets=lora.DELTANET)
+
+
+def test_a_checkpoint_that_does_not_match_is_named_in_one_line(tmp_path):
+    """Loading a Qwen3.5 folder: a text weight missing, a text weight this model lacks, and a shard cut short are
+    each refused with the folder or file named."""
+    from safetensors.torch import load_file, save_file
+    save_pretrained(Qwen3_5(Qwen3_5Config.tiny()), str(tmp_path))
+    file = str(tmp_path / "model.safetensors")
+    tensors = load_file(file)
+    from_pretrained(str(tmp_path), torch.float32)
+    save_file({k: t for k, t in tensors.items() if k != "model.norm.weight"}, file)
+    with pytest.raises(ValueError, match=r"lacks 1 weights of the text decoder, e.g. \['model.norm.weight'\]"):
+        from_pretrained(str(tmp_path), torch.float32)
+    save_file({**tensors, "model.layers.9.mlp.up_proj.weight": torch.zeros(3)}, file)
+    with pytest.raises(ValueError, match=r"has text weights this model does not, e.g. \['model.layers.9.mlp.up_proj"):
+        from_pretrained(str(tmp_path), torch.float32)
+    save_file(tensors, file)
+    with open(file, "r+b") as fh:
+        fh.truncate(fh.seek(0, 2) - 1)
+    with pytest.raises(ValueError, match=r"model\.safetensors cannot be read as safetensors .* Fetch the checkpoint"):
+        from_pretrained(str(tmp_path), torch.float32)

@@ -42,7 +42,8 @@ def test_the_readme_s_reading_counts_hold(tmp_path):
     path a reader follows grows or shrinks, not for every small edit)."""
     import re
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "reading.py"), "--out", str(tmp_path / "r.json")],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     r = json.load(open(tmp_path / "r.json"))
     readme = open(os.path.join(ROOT, "README.md")).read()

@@ -8,8 +8,8 @@ optimizer state; only the adapters have fp32 master weights and AdamW states.
 
 It plugs into the model after it is built (on meta or CPU) and before FSDP2 shards it: `apply` replaces each
 block's projections by a LoRALinear that keeps the base weight under its own name (HF checkpoints load as
-before), and each dense MLP by a LoRAMLP (the same SwiGLU, and the same `forward(x, value_is_read)`), and
-freezes everything else. Nothing in the core changes: the ring, FSDP2, recompute, offload and the kept attention
+before), and each dense MLP (and Qwen3.5-MoE's shared expert) by a LoRAMLP (the same SwiGLU, and the same
+`forward(x, value_is_read)`), and freezes everything else. Nothing in the core changes: the ring, FSDP2, recompute, offload and the kept attention
 see ordinary modules. The chunked loss skips the head's weight gradient (its weight needs none).
 
     torchrun --standalone --nproc_per_node 1 train.py --config demo --lora_rank 8      # CPU, a minute
@@ -17,8 +17,9 @@ see ordinary modules. The chunked loss skips the head's weight gradient (its wei
 
 Adapters, named as PEFT names them (layers.N.self_attn.q_proj.lora_A.weight), are initialised as PEFT does (A
 kaiming-uniform with a = sqrt(5), B zero, so that training starts from the base model). The export is a PEFT
-adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). Qwen3-MoE: adapters on attention
-only (the experts' stacked weights have no adapter; Qwen3.5-MoE: attention and DeltaNet). Qwen3.5 (qwen3_5.py):
+adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). The routed experts' stacked weights
+have no adapters: Qwen3-MoE takes them on attention only, Qwen3.5-MoE on attention, DeltaNet and its shared expert
+(what PEFT's MLP targets adapt in transformers' model). Qwen3.5 (qwen3_5.py):
 its gated attention's projections, its Gated DeltaNet layers' (DELTANET) and the MLPs', by the names transformers
 gives them.
 """
@@ -286,14 +287,18 @@ class _GraphStart(torch.autograd.Function):
 
 
 def moe_targets_error(mcfg, targets, quantize: str = "") -> str | None:
-    """A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) has adapters on its attention (and DeltaNet) projections only:
-    the experts' stacked weights have none. One line saying what to pass, or None."""
+    """A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) has no adapters on its routed experts (their stacked weights)
+    and no NF4. The MLP targets adapt Qwen3.5-MoE's shared expert, as PEFT's do on transformers' model; Qwen3-MoE
+    has none, so there they are refused. One line saying what to pass, or None."""
+    if not getattr(mcfg, "num_experts", 0):
+        return None
+    if quantize:
+        return "--quantize nf4 is for dense models: a mixture of experts trains LoRA over its bf16 base; drop it"
     hybrid = bool(getattr(mcfg, "layer_types", None))  # Qwen3.5-MoE: DeltaNet layers beside attention
-    allowed = ATTENTION + (DELTANET if hybrid else ())
-    if getattr(mcfg, "num_experts", 0) and (set(targets) - set(allowed) or quantize):
-        return (f"LoRA on a mixture of experts adapts {'attention and DeltaNet' if hybrid else 'attention'} "
-                f"projections only (the experts have no adapters), in bf16: pass --lora_targets {','.join(allowed)} "
-                "and no --quantize")
+    allowed = ATTENTION + (DELTANET + MLP_PROJECTIONS if hybrid else ())
+    if set(targets) - set(allowed):
+        return ("LoRA on Qwen3-MoE adapts the attention projections only (its experts have no adapters): pass "
+                f"--lora_targets {','.join(allowed)}")
     return None
 
 
@@ -317,6 +322,8 @@ def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None
             setattr(mixer, name, LoRALinear(base, rank if name in targets else 0, alpha, nf4, base_dtype))
         if isinstance(block.mlp, MLP):
             block.mlp = LoRAMLP(block.mlp, rank, alpha, targets, nf4, base_dtype)
+        elif isinstance(getattr(block.mlp, "shared_expert", None), MLP):  # Qwen3.5-MoE's (PEFT's MLP targets)
+            block.mlp.shared_expert = LoRAMLP(block.mlp.shared_expert, rank, alpha, targets, nf4, base_dtype)
     if rank and not any(m.rank for m in model.modules() if isinstance(m, LoRALinear)):
         raise ValueError(f"--lora_targets {','.join(targets)}: none is a projection of this model's blocks")
     if base_dtype is not None:

@@ -95,6 +95,7 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark:
                    deltanet_cp_s_per_mtoken_layer=0.221)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
 ADAPTER_RECOMPUTE = 0.3 / 1.3  # the recompute's forward's share of an adapter's time (adapter_ps_per_token_width)
 NF4_BYTES = 0.5 + 1 / 64 + 2 / (64 * 256)  # torchao's NF4: 4 bits, an int8 absmax per 64, a bf16 factor per 256 of them
@@ -223,19 +224,20 @@ class Shape:
         return self._params(self.moe_active_params)
 
     def lora_shape(self, rank=LORA_HINT_RANK, quantize="") -> "Shape":
-        """This shape with adapters of `rank` on every projection lora.py adapts (a MoE's experts take none)."""
-        mlp = ("gate_proj", "up_proj", "down_proj")
+        """This shape with adapters of `rank` on every projection lora.py adapts (a MoE's routed experts take none;
+        Qwen3-MoE's MLP targets are refused, Qwen3.5-MoE's adapt its shared expert)."""
         return replace(self, lora_rank=rank, quantize=quantize, lora_targets=tuple(
-            t for t in projection_widths(self) if not (self.sparse_layers and t in mlp))
+            t for t in projection_widths(self) if not (self.sparse_layers and not self.dn[0] and t in MLP_NAMES))
             + tuple(deltanet_projections(self)))
 
     @property
     def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer
         dense, widths = self.layers - self.sparse_layers, projection_widths(self)
         deltanet = {t: i + o for t, (i, o) in deltanet_projections(self).items()} if self.dn[0] else {}
+        shared = self.hidden + self.shared_intermediate if self.shared_intermediate else 0  # each sparse block's
         return self.lora_rank * (
-            sum(widths.get(t, 0) * (dense if t.endswith(("gate_proj", "up_proj", "down_proj")) else self.attn_layers)
-                for t in self.lora_targets)
+            sum(widths.get(t, 0) * dense + shared * self.sparse_layers if t in MLP_NAMES else
+                widths.get(t, 0) * self.attn_layers for t in self.lora_targets)
             + sum(deltanet.get(t, 0) * self.deltanet_layers for t in self.lora_targets))
 
     @property
@@ -539,7 +541,8 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         length, q = max(fit, key=lambda f: (f[0] or 0, not f[1]))
         if length:
             hints.append(f"--lora_rank {LORA_HINT_RANK}" + (" --quantize nf4" if q else "")
-                         + (f" --lora_targets {','.join(s.lora_shape().lora_targets)}" if s.sparse_layers else "")
+                         + (f" --lora_targets {','.join(s.lora_shape().lora_targets)}"
+                            if s.sparse_layers and not s.dn[0] else "")  # Qwen3-MoE: no MLP targets
                          + (f" --seq_len {length}" if length != s.seq_len else "")
                          + " (LoRA: the model frozen, only adapters trained)")
     elif gpu_short and not s.quantize and not s.sparse_layers and fits_with(replace(s, quantize="nf4")):

@@ -400,8 +400,11 @@ def test_moe_takes_attention_adapters_only(tmp_path):
     from test_moe import moe_cfg, random_moe, shifted
     base = random_moe(moe_cfg())
     save_pretrained(base, str(tmp_path))
-    with pytest.raises(ValueError, match="adapts attention projections only"):
+    with pytest.raises(ValueError, match=r"^LoRA on Qwen3-MoE adapts the attention projections only \(its experts "
+                                         r"have no adapters\): pass --lora_targets q_proj,k_proj,v_proj,o_proj$"):
         lora.apply(random_moe(moe_cfg()), RANK, ALPHA)
+    with pytest.raises(ValueError, match="^--quantize nf4 is for dense models"):
+        lora.apply(random_moe(moe_cfg()), RANK, ALPHA, lora.ATTENTION, quantize="nf4")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     pm = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(lora.ATTENTION)))
     m = adapted(base, lora.ATTENTION).set_levers(recompute=True, mlp_tile=5)

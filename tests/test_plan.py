@@ -457,17 +457,24 @@ def test_qwen3_5_no_fit_names_what_fits():
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3_5-35b-a3b"])
 def test_a_moe_is_told_the_lora_it_takes(name):
     """A mixture of experts whose full fine-tune fits no plan on one H200 is told LoRA with the targets lora.py
-    takes for it (attention, and DeltaNet on Qwen3.5-MoE; its experts have no adapters) and never --quantize nf4,
-    which it refuses; the plan it tried counted those adapters."""
+    takes for it and never --quantize nf4, which it refuses: Qwen3-MoE attention only (named, since the default
+    is refused), Qwen3.5-MoE the default (every projection; the MLP names adapt its shared expert). The plan it
+    tried counted those adapters."""
     import re
     from million import lora
     mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", name))
     with pytest.raises(plan.NoFit) as e:
         plan.choose(plan.Shape.of(mcfg, 524288, 1, 1, 1, attn_backend="fa4"), 139.7, 126)
-    targets = re.search(r"--lora_rank 16 --lora_targets (\S+) ", str(e.value)).group(1).split(",")
+    named = re.search(r"--lora_rank 16 --lora_targets (\S+) ", str(e.value))
+    targets = named.group(1).split(",") if named else list(lora.TARGETS)
     assert "nf4" not in str(e.value) and lora.moe_targets_error(mcfg, targets) is None
-    assert plan.Shape.of(mcfg, 524288, 1, 1, 1).lora_shape().lora_targets == tuple(targets)
-    assert lora.moe_targets_error(mcfg, lora.TARGETS) is not None  # what the hint used to leave to the default
+    assert set(plan.Shape.of(mcfg, 524288, 1, 1, 1).lora_shape().lora_targets) == set(targets)
+    if name.startswith("qwen3-"):
+        assert named and lora.moe_targets_error(mcfg, lora.TARGETS) == (
+            "LoRA on Qwen3-MoE adapts the attention projections only (its experts have no adapters): pass "
+            "--lora_targets q_proj,k_proj,v_proj,o_proj")
+    else:
+        assert not named and "--lora_rank 16 (LoRA" in str(e.value)
 
 
 def test_qwen3_5_deltanet_pieces_only_where_nothing_fits_whole():

@@ -919,9 +919,9 @@ def test_unsupported_model_type_is_refused(tmp_path):
 
 
 def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
-    """train.py's checks (config.check_config) on a local Qwen3.5 folder: LoRA on a Qwen3.5-MoE's MLP projections
-    (its experts have no adapters), and QLoRA on it, are refused in one line that names what to pass; a Qwen3.5
-    with LoRA on the DeltaNet projections passes, with QLoRA too, and so does a Qwen3.5-MoE. LoRA targets that
+    """train.py's checks (config.check_config) on a local Qwen3.5 folder: QLoRA on a Qwen3.5-MoE is refused in one
+    line that says what to do; a Qwen3.5 with LoRA on the DeltaNet projections passes, with QLoRA too, and so does
+    a Qwen3.5-MoE with LoRA on any projection (the MLP names adapt its shared expert). LoRA targets that
     match no projection of the model are refused by lora.apply."""
     from million import config, lora
     from model import Qwen3, Qwen3Config
@@ -939,12 +939,11 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
     assert error("qwen3_5_text", "--lora_rank", "4", "--lora_targets", "in_proj_qkv,out_proj") is None
     assert error("qwen3_5_moe_text") is None
     assert error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj,in_proj_qkv") is None
-    moe = error("qwen3_5_moe_text", "--lora_rank", "4")  # the default targets include gate_proj, up_proj, down_proj
-    assert moe == ("error: LoRA on a mixture of experts adapts attention and DeltaNet projections only (the experts "
-                   "have no adapters), in bf16: pass --lora_targets q_proj,k_proj,v_proj,o_proj,in_proj_qkv,"
-                   "in_proj_z,in_proj_b,in_proj_a,out_proj and no --quantize"), moe
+    assert error("qwen3_5_moe_text", "--lora_rank", "4") is None  # the default targets: MLP's adapt the shared expert
+    moe = error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj", "--quantize", "nf4")
+    assert moe == "error: --quantize nf4 is for dense models: a mixture of experts trains LoRA over its bf16 base; " \
+                  "drop it", moe
     assert error("qwen3_5_text", "--lora_rank", "4", "--quantize", "nf4") is None
-    assert error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj", "--quantize", "nf4") == moe
     from million.deltanet import fla_unavailable
     bad = error("qwen3_5_text", "--deltanet_kernel", "triton")
     assert bad == "error: --deltanet_kernel triton: use auto, fla or torch", bad

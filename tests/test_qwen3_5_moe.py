@@ -170,17 +170,18 @@ def test_context_parallel_equals_one_device(world, tmp_path):
 
 @pytest.mark.parametrize("tile", [0, 7])
 def test_lora_matches_peft(tmp_path, tile):
-    """lora.apply on the attention and DeltaNet projections (the experts and the shared expert stay frozen, with no
-    adapter) against PEFT on transformers' Qwen3_5MoeForCausalLM with the same adapter values, fp32: the loss with
-    its load-balancing term within 1e-6 relative, every adapter's gradient within 2e-4 (as for the dense model),
-    whole and with the MoE blocks in tiles of 7 rows under recompute (whose backward skips the frozen experts'
-    gradients); the MLP targets are refused with one line."""
+    """lora.apply on every projection it takes (attention, DeltaNet, and the MLP names, which adapt the shared
+    expert as PEFT's do; the routed experts and the router stay frozen, with no adapter) against PEFT on
+    transformers' Qwen3_5MoeForCausalLM with the same adapter values, fp32: the loss with its load-balancing term
+    within 1e-6 relative, every adapter's gradient within 2e-4 (as for the dense model), whole and with the MoE
+    blocks in tiles of 7 rows under recompute (whose backward skips the frozen experts' gradients); NF4 is refused
+    with one line."""
     import peft
     from transformers import AutoModelForCausalLM
     from million import lora
     from test_fa4 import rel
     from test_lora import ALPHA, RANK, adapted, peft_name
-    targets = lora.ATTENTION + lora.DELTANET
+    targets = lora.TARGETS
     save_pretrained(make_model(torch.float32, cfg()), tmp_path)
     pm = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), peft.LoraConfig(
         r=RANK, lora_alpha=ALPHA, target_modules=list(targets), lora_dropout=0.0))
@@ -189,7 +190,8 @@ def test_lora_matches_peft(tmp_path, tile):
         m.set_levers(recompute=True, mlp_tile=tile)
     theirs = {n: p for n, p in pm.named_parameters() if p.requires_grad}
     ours = {n: p for n, p in m.named_parameters() if p.requires_grad}
-    assert {peft_name(n) for n in ours} == set(theirs) and len(ours) == 2 * (4 + 5 * 3)
+    assert {peft_name(n) for n in ours} == set(theirs) and len(ours) == 2 * (4 + 5 * 3 + 3 * 4)
+    assert sum(".shared_expert." in n for n in ours) == 2 * 3 * 4
     with torch.no_grad():
         for n, p in ours.items():
             theirs[peft_name(n)].copy_(p)
@@ -201,8 +203,34 @@ def test_lora_matches_peft(tmp_path, tile):
     torch.testing.assert_close(out.total() / out.n_valid, ref.detach(), atol=0, rtol=1e-6)
     for n, p in ours.items():
         assert rel(p.grad, theirs[peft_name(n)].grad) < 2e-4, (n, rel(p.grad, theirs[peft_name(n)].grad))
-    with pytest.raises(ValueError, match="^LoRA on a mixture of experts adapts attention and DeltaNet projections"):
-        lora.apply(make_model(torch.float32, cfg()), RANK, targets=lora.TARGETS)
+    with pytest.raises(ValueError, match="^--quantize nf4 is for dense models: a mixture of experts trains LoRA"):
+        lora.apply(make_model(torch.float32, cfg()), RANK, targets=lora.TARGETS, quantize="nf4")
+
+
+def test_the_adapter_folder_loads_in_peft(tmp_path):
+    """lora.save's PEFT folder for a Qwen3.5-MoE with adapters on every projection it takes (the shared expert's
+    among them) loads with peft.PeftModel.from_pretrained over transformers' Qwen3_5MoeForCausalLM of the base and
+    gives our logits (fp32, within 1e-5); the merged export loads alone with the same."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    from million import lora
+    from test_lora import adapted
+    base = make_model(torch.float32, cfg())
+    save_pretrained(base, str(tmp_path / "base"))
+    m = adapted(make_model(torch.float32, cfg()), lora.TARGETS)
+    sd = m.state_dict()
+    lora.save(str(tmp_path / "adapter"), m, sd, str(tmp_path / "base"))
+    lora.save(str(tmp_path / "merged"), m, sd, str(tmp_path / "base"), merge=True)
+    ids, _ = inputs(batch=1, t=150)
+    with torch.no_grad():
+        want = m.logits(ids)
+        assert (want - base.logits(ids)).abs().max() > 1e-3  # the adapters change the logits
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+        pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))
+        assert sum(".shared_expert." in n and "lora_A" in n for n, _ in pm.named_parameters()) == 3 * 4
+        torch.testing.assert_close(pm(ids).logits, want, rtol=1e-5, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -158,3 +158,25 @@ def test_deltanet_tile_trains_the_same_steps(tmp_path):
     assert p.returncode != 0 and errors == ["error: --deltanet_tile 100 needs --cp 1 (one device a sequence): under "
                                             "context parallelism the DeltaNet state comes from the ranks' span "
                                             "summaries"], p.stderr[-2000:]
+
+
+def test_the_guide_s_qwen3_5_demos_train(tmp_path):
+    """The guide's CPU commands on the example folders (examples/tiny-qwen3_5 and -moe: a config.json each), as
+    written but for --max_steps 3 and the run folder: each trains from random weights and its loss falls."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from .test_train import ROOT
+    guide = open(os.path.join(ROOT, "million", "README.md"), encoding="utf-8").read()
+    commands = re.findall(r"^(torchrun .*--model examples/tiny-qwen3_5\S*)", guide, flags=re.M)
+    assert len(commands) == 2, commands
+    for i, command in enumerate(commands):
+        args = command.split("#")[0].split()[1:]  # torchrun's arguments
+        out = tmp_path / f"run{i}"
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args, "--max_steps", "3", "--out_dir",
+                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, (command, p.stderr[-3000:])
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"], rows

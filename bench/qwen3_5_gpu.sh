@@ -8,6 +8,7 @@
 #   EXTRA="--offload_layers 20" bash bench/qwen3_5_gpu.sh OUT lora:524288    # flags added to every run
 #   MODEL=bench/configs/qwen3_5-35b-a3b bash bench/qwen3_5_gpu.sh OUT lora:131072  # Qwen3.5-MoE: LoRA on attention
 #                                                                                   # and DeltaNet (experts: none)
+#   TARGETS=q_proj,in_proj_qkv bash bench/qwen3_5_gpu.sh OUT lora:131072           # other --lora_targets
 #
 # With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4. The levers
 # are the ones measured (--fit off: every block offloaded and keeping attention's output, unless EXTRA says
@@ -16,8 +17,9 @@
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); shift
 MODEL=${MODEL:-bench/configs/qwen3_5-9b}
-TARGETS=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
-case $MODEL in *a3b*) TARGETS=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj ;; esac
+ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
+case $MODEL in *a3b*) ALL=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj ;; esac
+TARGETS=${TARGETS:-$ALL}  # the 35B-A3B's measured run: no MLP names (since, they adapt its shared expert)
 for run in "$@"; do
     kind=${run%%:*}; tokens=${run#*:}
     case $kind in

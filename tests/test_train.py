@@ -1,5 +1,6 @@
 """train.py's pieces in-process: the optimizer's states made up front, AdamW's betas from the flags, the
-progress line, and the lines that refuse bad flag values. train.py itself, run end to end under torchrun, is tested in tests/e2e/test_train.py."""
+progress line, and the lines that refuse bad flag values. train.py itself, run end to end under torchrun, is
+tested in tests/e2e/test_train.py."""
 import torch
 
 

@@ -9,8 +9,8 @@ optimizer state; only the adapters have fp32 master weights and AdamW states.
 It plugs into the model after it is built (on meta or CPU) and before FSDP2 shards it: `apply` replaces each
 block's projections by a LoRALinear that keeps the base weight under its own name (HF checkpoints load as
 before), and each dense MLP (and Qwen3.5-MoE's shared expert) by a LoRAMLP (the same SwiGLU, and the same
-`forward(x, value_is_read)`), and freezes everything else. Nothing in the core changes: the ring, FSDP2, recompute, offload and the kept attention
-see ordinary modules. The chunked loss skips the head's weight gradient (its weight needs none).
+`forward(x, value_is_read)`), and freezes everything else. Nothing in the core changes: the ring, FSDP2,
+recompute, offload and the kept attention see ordinary modules. The chunked loss skips the head's weight gradient (its weight needs none).
 
     torchrun --standalone --nproc_per_node 1 train.py --config demo --lora_rank 8      # CPU, a minute
     python -m pytest tests/test_lora.py -q      # against PEFT: loss, logits, every adapter gradient; cp 1/2/4

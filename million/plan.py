@@ -234,7 +234,8 @@ class Shape:
     def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer
         dense, widths = self.layers - self.sparse_layers, projection_widths(self)
         deltanet = {t: i + o for t, (i, o) in deltanet_projections(self).items()} if self.dn[0] else {}
-        shared = self.hidden + self.shared_intermediate if self.shared_intermediate else 0  # each sparse block's
+        # in + out of each projection of a sparse block's shared expert (Qwen3.5-MoE), what the MLP names adapt there
+        shared = self.hidden + self.shared_intermediate if self.shared_intermediate else 0
         return self.lora_rank * (
             sum(widths.get(t, 0) * dense + shared * self.sparse_layers if t in MLP_NAMES else
                 widths.get(t, 0) * self.attn_layers for t in self.lora_targets)

@@ -624,18 +624,26 @@ def test_the_adapter_folder_loads_in_peft(tmp_path):
     """lora.save's PEFT folder for a Qwen3.5 (adapters on all twelve projection kinds, random A and B) loads with
     peft.PeftModel.from_pretrained over transformers' Qwen3_5ForCausalLM of the base and gives our logits (fp32,
     within 1e-5); the merged export loads alone with the same."""
+    from million import lora
+    assert_exports_load(tmp_path, lambda: make_model(torch.float32))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == sorted(
+        lora.TARGETS)
+
+
+def assert_exports_load(tmp_path, make):
+    """A model from make() with adapters on lora.TARGETS (random A and B), exported by lora.save to tmp_path/adapter
+    (PEFT's folder) and tmp_path/merged: PEFT over transformers' model of the base (saved to tmp_path/base) and
+    transformers alone on the merged folder give our logits within 1e-5 in fp32. -> the PeftModel."""
     import peft
     from transformers import AutoModelForCausalLM
     from million import lora
     from test_lora import adapted
-    base = make_model(torch.float32)
+    base = make()
     save_pretrained(base, str(tmp_path / "base"))
-    m = adapted(make_model(torch.float32), lora.TARGETS)
+    m = adapted(make(), lora.TARGETS)
     sd = m.state_dict()
     lora.save(str(tmp_path / "adapter"), m, sd, str(tmp_path / "base"))
     lora.save(str(tmp_path / "merged"), m, sd, str(tmp_path / "base"), merge=True)
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == sorted(
-        lora.TARGETS)
     ids, _ = inputs(batch=1, t=150)
     with torch.no_grad():
         want = m.logits(ids)
@@ -645,6 +653,7 @@ def test_the_adapter_folder_loads_in_peft(tmp_path):
         torch.testing.assert_close(pm(ids).logits, want, rtol=1e-5, atol=1e-5)
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
         torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+    return pm
 
 
 # --- packed documents on one device -----------------------------------------------------------------

@@ -211,26 +211,9 @@ def test_the_adapter_folder_loads_in_peft(tmp_path):
     """lora.save's PEFT folder for a Qwen3.5-MoE with adapters on every projection it takes (the shared expert's
     among them) loads with peft.PeftModel.from_pretrained over transformers' Qwen3_5MoeForCausalLM of the base and
     gives our logits (fp32, within 1e-5); the merged export loads alone with the same."""
-    import peft
-    from transformers import AutoModelForCausalLM
-    from million import lora
-    from test_lora import adapted
-    base = make_model(torch.float32, cfg())
-    save_pretrained(base, str(tmp_path / "base"))
-    m = adapted(make_model(torch.float32, cfg()), lora.TARGETS)
-    sd = m.state_dict()
-    lora.save(str(tmp_path / "adapter"), m, sd, str(tmp_path / "base"))
-    lora.save(str(tmp_path / "merged"), m, sd, str(tmp_path / "base"), merge=True)
-    ids, _ = inputs(batch=1, t=150)
-    with torch.no_grad():
-        want = m.logits(ids)
-        assert (want - base.logits(ids)).abs().max() > 1e-3  # the adapters change the logits
-        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-        pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))
-        assert sum(".shared_expert." in n and "lora_A" in n for n, _ in pm.named_parameters()) == 3 * 4
-        torch.testing.assert_close(pm(ids).logits, want, rtol=1e-5, atol=1e-5)
-        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+    from test_qwen3_5 import assert_exports_load
+    pm = assert_exports_load(tmp_path, lambda: make_model(torch.float32, cfg()))
+    assert sum(".shared_expert." in n and "lora_A" in n for n, _ in pm.named_parameters()) == 3 * 4
 
 
 @pytest.mark.gpu

@@ -17,9 +17,10 @@ recompute, offload and the kept attention see ordinary modules. The chunked loss
 
 Adapters, named as PEFT names them (layers.N.self_attn.q_proj.lora_A.weight), are initialised as PEFT does (A
 kaiming-uniform with a = sqrt(5), B zero, so that training starts from the base model). The export is a PEFT
-adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). The routed experts' stacked weights
-have no adapters: Qwen3-MoE takes them on attention only, Qwen3.5-MoE on attention, DeltaNet and its shared expert
-(what PEFT's MLP targets adapt in transformers' model). Qwen3.5 (qwen3_5.py):
+adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). A mixture of experts: the MLP names
+adapt Qwen3.5-MoE's shared expert (what PEFT's MLP targets adapt in transformers' model; Qwen3-MoE has none), and
+the target `experts` adapts the routed experts' stacked weights as PEFT's target_parameters do (LoRAExperts: one A
+and one B per weight, shared out among the experts). Qwen3.5 (qwen3_5.py):
 its gated attention's projections, its Gated DeltaNet layers' (DELTANET) and the MLPs', by the names transformers
 gives them.
 """
@@ -33,12 +34,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loss import addmm_fp32_
+from million.moe import Experts, expert_adapters
 from model import MLP, _silu_mul, _silu_mul_backward, fused
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's linear attention
 TARGETS = ATTENTION + MLP_PROJECTIONS + DELTANET  # PEFT's all-linear, the head left out
+# A mixture of experts' routed experts (their stacked gate_up and down weights): PEFT's target_parameters
+# mlp.experts.gate_up_proj and mlp.experts.down_proj; not in all-linear, so asked for by name
+EXPERTS = "experts"
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: an absmax per 64 weights, the absmaxes quantized per 256
 # Flags that say what a checkpoint's adapters are: a resumed run keeps them
 FIXED_ON_RESUME = ("lora_rank", "lora_alpha", "lora_targets", "quantize")
@@ -47,9 +52,9 @@ FIXED_ON_RESUME = ("lora_rank", "lora_alpha", "lora_targets", "quantize")
 def parse_targets(text: str) -> tuple:
     """'q_proj,v_proj' -> ('q_proj', 'v_proj'); raises ValueError naming the choices."""
     names = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [t for t in names if t not in TARGETS]
+    bad = [t for t in names if t not in TARGETS + (EXPERTS,)]
     if bad or not names:
-        raise ValueError(f"--lora_targets {text!r}: a comma list of {','.join(TARGETS)}")
+        raise ValueError(f"--lora_targets {text!r}: a comma list of {','.join(TARGETS + (EXPERTS,))}")
     return names
 
 
@@ -246,6 +251,40 @@ class LoRAMLP(nn.Module):
         return self.swiglu(x)
 
 
+class LoRAExperts(Experts):
+    """moe.Experts (the routed experts' stacked weights, frozen) with PEFT's adapters on gate_up and down, as its
+    target_parameters put them: for each, one A [r E, in] and one B [out, r E], expert e's delta B[:, e::E] @
+    A[e r:(e+1) r] (moe.expert_adapters) and gate_up's rows gate then up. moe_rows adds them through thin GEMMs
+    (x A_e^T, then B_e), never a weight's delta. Named as PEFT names them, so that its adapter folder loads as it
+    is: PEFT wraps one parameter at a time in name order, so down's adapters sit on the module (lora_A, lora_B)
+    and gate_up's on the wrapper inside it (base_layer.lora_A, base_layer.lora_B)."""
+    ADAPTERS = ("base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight", "lora_B.weight")
+
+    def __init__(self, base: Experts, rank: int, alpha: float):
+        nn.Module.__init__(self)
+        self.gate_proj, self.up_proj, self.down_proj = base.gate_proj, base.up_proj, base.down_proj
+        (E, I, H), w = self.gate_proj.shape, self.gate_proj
+        self.rank, self.scaling = rank, alpha / rank
+        self.base_layer = nn.Module()
+        for m, i, o in ((self.base_layer, H, 2 * I), (self, I, H)):
+            m.lora_A = nn.Linear(i, rank * E, bias=False, device=w.device, dtype=w.dtype)
+            m.lora_B = nn.Linear(rank * E, o, bias=False, device=w.device, dtype=w.dtype)
+            init_adapter(m.lora_A.weight, m.lora_B.weight)
+
+    def weights(self) -> tuple:
+        return (*super().weights(), *(self.get_parameter(n) for n in self.ADAPTERS))
+
+    @torch.no_grad()
+    def merged(self, sd: dict, name: str) -> dict:
+        """{its three weights' full names: W + alpha / r * B_e @ A_e in fp32} from the full state dict sd."""
+        w = {p: sd[f"{name}.{p}"].float() for p in ("gate_proj", "up_proj", "down_proj")}
+        a_gu, b_gu, a_d, b_d = expert_adapters([sd[f"{name}.{n}"].float() for n in self.ADAPTERS], len(w["gate_proj"]))
+        dg, du = (self.scaling * b_gu @ a_gu).chunk(2, 1)                           # [E, I, H] each
+        w["gate_proj"], w["up_proj"] = w["gate_proj"] + dg, w["up_proj"] + du
+        w["down_proj"] = w["down_proj"] + self.scaling * b_d @ a_d
+        return {f"{name}.{p}": t for p, t in w.items()}
+
+
 def keep_mlp(model, layers: int):
     """The lever keep_mlp: the last `layers` blocks' LoRAMLPs keep gate's and up's outputs for the backward (on the
     GPU, never offloaded: 2 x T x intermediate values each); the last ones, whose backward comes first. -> model."""
@@ -287,18 +326,20 @@ class _GraphStart(torch.autograd.Function):
 
 
 def moe_targets_error(mcfg, targets, quantize: str = "") -> str | None:
-    """A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) has no adapters on its routed experts (their stacked weights)
-    and no NF4. The MLP targets adapt Qwen3.5-MoE's shared expert, as PEFT's do on transformers' model; Qwen3-MoE
-    has none, so there they are refused. One line saying what to pass, or None."""
+    """A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) takes no NF4. Its routed experts take adapters when asked
+    (EXPERTS); a dense model has none to adapt. The MLP names adapt Qwen3.5-MoE's shared expert, as PEFT's do on
+    transformers' model; Qwen3-MoE has none, so there they are refused. One line saying what to pass, or None."""
     if not getattr(mcfg, "num_experts", 0):
-        return None
+        return ("--lora_targets experts: this model has no routed experts (a dense model); drop it"
+                if EXPERTS in targets else None)
     if quantize:
         return "--quantize nf4 is for dense models: a mixture of experts trains LoRA over its bf16 base; drop it"
     hybrid = bool(getattr(mcfg, "layer_types", None))  # Qwen3.5-MoE: DeltaNet layers beside attention
     allowed = ATTENTION + (DELTANET + MLP_PROJECTIONS if hybrid else ())
-    if set(targets) - set(allowed):
-        return ("LoRA on Qwen3-MoE adapts the attention projections only (its experts have no adapters): pass "
-                f"--lora_targets {','.join(allowed)}")
+    bad = [t for t in targets if t not in allowed + (EXPERTS,)]
+    if bad:
+        return (f"--lora_targets {','.join(bad)}: not projections of Qwen3-MoE (its MLP is its routed experts); "
+                f"pass --lora_targets {','.join(allowed)} (attention), with ,{EXPERTS} to adapt the experts too")
     return None
 
 
@@ -324,7 +365,9 @@ def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None
             block.mlp = LoRAMLP(block.mlp, rank, alpha, targets, nf4, base_dtype)
         elif isinstance(getattr(block.mlp, "shared_expert", None), MLP):  # Qwen3.5-MoE's (PEFT's MLP targets)
             block.mlp.shared_expert = LoRAMLP(block.mlp.shared_expert, rank, alpha, targets, nf4, base_dtype)
-    if rank and not any(m.rank for m in model.modules() if isinstance(m, LoRALinear)):
+        if rank and EXPERTS in targets and isinstance(getattr(block.mlp, "experts", None), Experts):
+            block.mlp.experts = LoRAExperts(block.mlp.experts, rank, alpha)
+    if rank and not any(m.rank for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))):
         raise ValueError(f"--lora_targets {','.join(targets)}: none is a projection of this model's blocks")
     if base_dtype is not None:
         for name, p in model.named_parameters():
@@ -396,7 +439,9 @@ def merged_state_dict(model, sd: dict, dtype) -> dict:
     W + alpha / r * B @ A in fp32, every tensor in dtype: a plain Qwen3 checkpoint."""
     out = {n: t for n, t in sd.items() if not is_adapter(n)}
     for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
+        if isinstance(m, LoRAExperts):
+            out.update(m.merged(sd, name))
+        elif isinstance(m, LoRALinear):
             w = base_weight(m, sd, f"{name}.weight").float()
             if m.rank:
                 a, b = sd[f"{name}.lora_A.weight"].float(), sd[f"{name}.lora_B.weight"].float()
@@ -406,12 +451,15 @@ def merged_state_dict(model, sd: dict, dtype) -> dict:
 
 
 def adapter_config(model, base_model: str) -> dict:
-    """adapter_config.json as PEFT writes it for these adapters."""
-    m = next(m for m in model.modules() if isinstance(m, LoRALinear) and m.rank)
+    """adapter_config.json as PEFT writes it for these adapters (the routed experts': target_parameters)."""
+    m = next(m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts)) and m.rank)
     targets = sorted({name.rpartition(".")[2] for name, x in model.named_modules()
                       if isinstance(x, LoRALinear) and x.rank})
+    experts = any(isinstance(x, LoRAExperts) for x in model.modules())
     return dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model, r=m.rank,
-                lora_alpha=m.scaling * m.rank, target_modules=targets, lora_dropout=0.0, bias="none",
+                lora_alpha=m.scaling * m.rank, target_modules=targets,
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None,
+                lora_dropout=0.0, bias="none",
                 fan_in_fan_out=False, init_lora_weights=True, use_rslora=False, use_dora=False,
                 modules_to_save=None, inference_mode=True)
 
@@ -440,10 +488,13 @@ def save(folder: str, model, sd: dict, base_model: str, merge: bool = False, dty
 def describe(model) -> str:
     """One line for the log: the adapters, their size, the base."""
     lin = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    adapted = [m for m in lin if m.rank]
+    experts = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    adapted = [m for m in lin if m.rank] + experts
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     nf4_base = [m.weight for m in lin if "weight" in m._buffers]
     total = sum(p.numel() for p in model.parameters()) + sum(w.numel() for w in nf4_base)
     base = "NF4" if nf4_base else str(next(p.dtype for p in model.parameters() if not p.requires_grad))[6:]
-    return (f"LoRA: rank {adapted[0].rank}, alpha {adapted[0].scaling * adapted[0].rank:g} on {len(adapted)} "
-            f"projections: {trained / 1e6:.2f} M trained parameters ({trained / total:.2%}); the base frozen in {base}")
+    where = f"{len(adapted) - len(experts)} projections" + (f" and the routed experts of {len(experts)} layers"
+                                                           if experts else "")
+    return (f"LoRA: rank {adapted[0].rank}, alpha {adapted[0].scaling * adapted[0].rank:g} on {where}: "
+            f"{trained / 1e6:.2f} M trained parameters ({trained / total:.2%}); the base frozen in {base}")

@@ -51,50 +51,86 @@ def route(x, w_router, top_k: int, norm_topk_prob: bool):
     return probs, top.to(x.dtype), experts
 
 
-def experts_loop(x, weights, experts, w_gate, w_up, w_down):
+def expert_adapters(adapters, E: int) -> list:
+    """PEFT's LoRA on stacked expert weights (its target_parameters): for gate_up ([E, 2 I, H], gate then up) and
+    for down, one A [r E, in] and one B [out, r E] -> per expert A [E, r, in] and B [E, out, r], expert e's delta
+    being B[:, e::E] @ A[e r:(e+1) r] (its rows of A a block, its columns of B every E-th). () -> []."""
+    out = []
+    for a, b in zip(adapters[::2], adapters[1::2]):
+        r = a.shape[0] // E
+        out += [a.view(E, r, a.shape[1]), b.view(b.shape[0], r, E).permute(2, 0, 1).contiguous()]
+    return out
+
+
+def _adapted_swiglu(x, w_gate, w_up, w_down, a_gu, b_gu, a_d, b_d, s):
+    """One expert's SwiGLU with LoRA on gate_up (one A for gate and up, B's rows gate then up) and on down."""
+    g, u = F.linear(F.linear(x, a_gu) * s, b_gu).chunk(2, -1)                    # [n, I] each
+    h = fused(_silu_mul, x)(F.linear(x, w_gate) + g, F.linear(x, w_up) + u)
+    return F.linear(h, w_down) + F.linear(F.linear(h, a_d) * s, b_d)
+
+
+def experts_loop(x, weights, experts, w_gate, w_up, w_down, adapters=(), scaling=0.0):
     """Each expert's tokens gathered, its SwiGLU, the outputs added back weighted, expert after expert (the loop of
     transformers' Qwen3MoeExperts): x [N, H], weights and experts [N, k], w_gate/w_up [E, I, H], w_down [E, H, I]
-    -> [N, H]. The path on CPU, and the oracle of the grouped GEMM."""
+    -> [N, H]. adapters: LoRA's (A, B) of gate_up, then of down, in PEFT's layout (expert_adapters), or ().
+    The path on CPU, and the oracle of the grouped GEMM."""
     out = torch.zeros_like(x)
-    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)  # one backward node, not one per expert
-    for e in range(len(gates)):
+    per_expert = [w.unbind(0) for w in (w_gate, w_up, w_down, *expert_adapters(adapters, w_gate.shape[0]))]
+    for e in range(w_gate.shape[0]):  # one backward node per stacked tensor (unbind), not one per expert
         tok, slot = (experts == e).nonzero(as_tuple=True)                          # [n_e] each
         if tok.numel():
-            y = _swiglu(x.index_select(0, tok), gates[e], ups[e], downs[e])       # [n_e, H]
+            ws = [w[e] for w in per_expert]
+            xe = x.index_select(0, tok)
+            y = _adapted_swiglu(xe, *ws, scaling) if adapters else _swiglu(xe, *ws)  # [n_e, H]
             out.index_add_(0, tok, y * weights[tok, slot, None])
     return out
 
 
-def experts_grouped(x, weights, experts, w_gate, w_up, w_down):
+def experts_grouped(x, weights, experts, w_gate, w_up, w_down, adapters=(), scaling=0.0):
     """experts_loop with the (token, slot) pairs sorted by expert once and one grouped GEMM per projection
-    (torch._grouped_mm: bf16 on CUDA; its CPU fallback serves the tests). Plain autograd: the backward reuses
-    the saved order, offsets and gathered rows; the output is put back by a permutation, with no atomic adds."""
+    (torch._grouped_mm: bf16 on CUDA; its CPU fallback serves the tests), two thin ones per adapter. Plain
+    autograd: the backward reuses the saved order, offsets and gathered rows; the output is put back by a
+    permutation, with no atomic adds."""
     N, k = experts.shape
     flat = experts.reshape(-1)                                                   # [N*k]
     order = flat.argsort(stable=True)                                            # [N*k] pairs grouped by expert
     counts = torch.zeros(w_gate.shape[0], dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0).to(torch.int32)                                      # [E] each expert's last row + 1
+
+    def mm(a, w):  # rows a [N*k, in] (sorted), stacked w [E, out, in] -> [N*k, out]
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
+
     xs = x.index_select(0, order // k)                                           # [N*k, H] sorted by expert
-    g = torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=ends)                 # [N*k, I]
-    u = torch._grouped_mm(xs, w_up.transpose(1, 2), offs=ends)
-    ys = torch._grouped_mm(fused(_silu_mul, g)(g, u), w_down.transpose(1, 2), offs=ends)   # [N*k, H]
+    g, u = mm(xs, w_gate), mm(xs, w_up)                                          # [N*k, I] each
+    if adapters:
+        a_gu, b_gu, a_d, b_d = expert_adapters(adapters, w_gate.shape[0])
+        dg, du = mm(mm(xs, a_gu) * scaling, b_gu).chunk(2, -1)                   # [N*k, r] -> [N*k, I] each
+        g, u = g + dg, u + du
+    h = fused(_silu_mul, g)(g, u)
+    ys = mm(h, w_down)                                                           # [N*k, H]
+    if adapters:
+        ys = ys + mm(mm(h, a_d) * scaling, b_d)
     y = ys.index_select(0, order.argsort())                                      # [N*k, H] back in (token, slot) order
     return (y.view(N, k, -1) * weights[..., None]).sum(1)                        # [N, H]
 
 
-def grouped_gemm_ok(x, w_gate) -> bool:
-    """torch._grouped_mm's CUDA kernel: bf16, rows 16-byte aligned (hidden and moe_intermediate multiples of 8)."""
+def grouped_gemm_ok(x, w_gate, adapters=()) -> bool:
+    """torch._grouped_mm's CUDA kernel: bf16, rows 16-byte aligned (hidden, moe_intermediate and the adapters'
+    rank multiples of 8)."""
+    rank = adapters[0].shape[0] // w_gate.shape[0] if adapters else 8
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0)
+            and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0 and rank % 8 == 0)
 
 
-def moe_rows(x, w_router, w_gate, w_up, w_down, top_k, norm_topk_prob):
-    """The MoE block on rows: x [N, H] -> (y [N, H], counts [E] float64: the top-k choices of each expert,
-    prob_sums [E] fp32 (float64 for float64): the router's probabilities summed over the rows). The last two are
-    what the load-balancing loss needs (Qwen3MoE.aux_loss)."""
+def moe_rows(x, ws, top_k, norm_topk_prob, scaling=0.0):
+    """The MoE block on rows: x [N, H], ws (router [E, H], gate, up, down, then LoRA's adapters if any:
+    Experts.weights) -> (y [N, H], counts [E] float64: the top-k choices of each expert, prob_sums [E] fp32
+    (float64 for float64): the router's probabilities summed over the rows). The last two are what the
+    load-balancing loss needs (Qwen3MoE.aux_loss)."""
+    w_router, w_gate, w_up, w_down, *adapters = ws
     probs, weights, experts = route(x, w_router, top_k, norm_topk_prob)
-    run = experts_grouped if grouped_gemm_ok(x, w_gate) else experts_loop
-    y = run(x, weights, experts, w_gate, w_up, w_down)
+    run = experts_grouped if grouped_gemm_ok(x, w_gate, adapters) else experts_loop
+    y = run(x, weights, experts, w_gate, w_up, w_down, tuple(adapters), scaling)
     flat = experts.reshape(-1)
     counts = torch.zeros(w_router.shape[0], dtype=torch.float64, device=x.device).index_add_(
         0, flat, torch.ones(flat.shape, dtype=torch.float64, device=x.device))
@@ -112,6 +148,13 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, I, H).normal_(0.0, cfg.initializer_range))
         self.up_proj = nn.Parameter(torch.empty(E, I, H).normal_(0.0, cfg.initializer_range))
         self.down_proj = nn.Parameter(torch.empty(E, H, I).normal_(0.0, cfg.initializer_range))
+
+    scaling = 0.0  # LoRA's alpha / rank (lora.LoRAExperts)
+
+    def weights(self) -> tuple:
+        """The stacked weights, then LoRA's adapters if any (lora.LoRAExperts): what moe_rows takes after the
+        router's."""
+        return self.gate_proj, self.up_proj, self.down_proj
 
 
 class SparseMoE(nn.Module):
@@ -135,13 +178,13 @@ class SparseMoE(nn.Module):
     def with_stats(self, x, value_is_read=True):
         """x [B, T, H] -> (y [B, T, H], counts [E], prob_sums [E]) (moe_rows)."""
         rows = x.reshape(-1, x.shape[-1])                                        # [B*T, H]
-        ws = (self.gate.weight, self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
+        ws, routing = (self.gate.weight, *self.experts.weights()), (self.top_k, self.norm_topk_prob,
+                                                                     self.experts.scaling)
         with torch.profiler.record_function("moe"):  # named in profiles (bench/profile_step.py: "experts")
             if self.tile and rows.shape[0] > self.tile:
-                y, counts, prob_sums = _TiledMoE.apply(rows, self.tile, value_is_read, self.top_k, self.norm_topk_prob,
-                                                       *ws)
+                y, counts, prob_sums = _TiledMoE.apply(rows, self.tile, value_is_read, routing, *ws)
             else:
-                y, counts, prob_sums = moe_rows(rows, *ws, self.top_k, self.norm_topk_prob)
+                y, counts, prob_sums = moe_rows(rows, ws, *routing)
         return y.view(x.shape), counts, prob_sums
 
 
@@ -171,12 +214,14 @@ class _TiledMoE(torch.autograd.Function):
     for each [N*k, 2048] in bf16). The backward recomputes each tile under autograd (the same rows route the same
     way) and sums the tiles' weight gradients in fp32 buffers, rounded to the weights' dtype once at the end (each
     tile's own comes out of autograd in that dtype): 3 x E x I x H x 4 bytes while a block runs backward (2.3 GiB
-    for Qwen3-30B-A3B). Frozen weights (LoRA's) get neither the buffers nor the GEMMs."""
+    for Qwen3-30B-A3B). Frozen weights (LoRA's) get neither the buffers nor the GEMMs; the experts' adapters, if any
+    (lora.LoRAExperts), are weights like the others."""
 
     @staticmethod
-    def forward(ctx, x, tile, value_is_read, top_k, norm_topk_prob, *ws):
-        # x [N, H]; ws: router [E, H], gate and up [E, I, H], down [E, H, I]
-        ctx.tile, ctx.routing = tile, (top_k, norm_topk_prob)
+    def forward(ctx, x, tile, value_is_read, routing, *ws):
+        # x [N, H]; ws: router [E, H], gate and up [E, I, H], down [E, H, I], LoRA's adapters if any; routing:
+        # (top_k, norm_topk_prob, LoRA's scaling)
+        ctx.tile, ctx.routing = tile, routing
         ctx.save_for_backward(x, *ws)
         counts = torch.zeros(ws[0].shape[0], dtype=torch.float64, device=x.device)                     # [E]
         prob_sums = torch.zeros(ws[0].shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
@@ -185,7 +230,7 @@ class _TiledMoE(torch.autograd.Function):
             return x.new_empty(x.shape), counts, prob_sums
         y = torch.empty_like(x)
         for xt, yt in zip(x.split(tile), y.split(tile)):
-            out, c, p = moe_rows(xt, *ws, top_k, norm_topk_prob)
+            out, c, p = moe_rows(xt, ws, *routing)
             yt.copy_(out)
             counts += c
             prob_sums += p
@@ -201,20 +246,20 @@ class _TiledMoE(torch.autograd.Function):
         x, *ws = ctx.saved_tensors
         # Only the weights that train get gradients: under LoRA the router and the experts are frozen, and their
         # weight gradients (a third of the experts' GEMMs in the backward, the fp32 sums) are not computed
-        train = ctx.needs_input_grad[5:]
+        train = ctx.needs_input_grad[4:]
         dx = torch.empty_like(x)
         acc = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) if t else None
                for w, t in zip(ws, train)]
         for xt, dyt, dxt in zip(x.split(ctx.tile), dy.split(ctx.tile), dx.split(ctx.tile)):
             with torch.enable_grad():
                 leaves = [xt.detach().requires_grad_(), *(w.detach().requires_grad_(t) for w, t in zip(ws, train))]
-                yt, _, pt = moe_rows(*leaves, *ctx.routing)
+                yt, _, pt = moe_rows(leaves[0], leaves[1:], *ctx.routing)
                 wanted = [leaves[0], *(w for w, t in zip(leaves[1:], train) if t)]
                 grads = torch.autograd.grad([yt, pt], wanted, [dyt, dprob_sums], materialize_grads=True)
             dxt.copy_(grads[0])
             for a, g in zip([a for a in acc if a is not None], grads[1:]):
                 a += g
-        return dx, None, None, None, None, *(None if a is None else a.to(w.dtype) for a, w in zip(acc, ws))
+        return dx, None, None, None, *(None if a is None else a.to(w.dtype) for a, w in zip(acc, ws))
 
 
 @dataclass

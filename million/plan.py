@@ -230,16 +230,26 @@ class Shape:
             t for t in projection_widths(self) if not (self.sparse_layers and not self.dn[0] and t in MLP_NAMES))
             + tuple(deltanet_projections(self)))
 
-    @property
-    def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer
+    def _lora_params(self, experts):
         dense, widths = self.layers - self.sparse_layers, projection_widths(self)
         deltanet = {t: i + o for t, (i, o) in deltanet_projections(self).items()} if self.dn[0] else {}
         # in + out of each projection of a sparse block's shared expert (Qwen3.5-MoE), what the MLP names adapt there
         shared = self.hidden + self.shared_intermediate if self.shared_intermediate else 0
+        # the routed experts (lora.LoRAExperts): gate_up's H + 2 I and down's I + H for each of `experts` experts
+        routed = experts * (2 * self.hidden + 3 * self.moe_intermediate) * self.sparse_layers
         return self.lora_rank * (
             sum(widths.get(t, 0) * dense + shared * self.sparse_layers if t in MLP_NAMES else
-                widths.get(t, 0) * self.attn_layers for t in self.lora_targets)
-            + sum(deltanet.get(t, 0) * self.deltanet_layers for t in self.lora_targets))
+                widths.get(t, 0) * self.attn_layers for t in self.lora_targets if t != "experts")
+            + sum(deltanet.get(t, 0) * self.deltanet_layers for t in self.lora_targets)
+            + (routed if "experts" in self.lora_targets else 0))
+
+    @property
+    def lora_params(self):  # the adapters: r x (in + out) for each adapted projection of each layer (every expert)
+        return self._lora_params(self.experts)
+
+    @property
+    def lora_active_params(self):  # those a token meets: the routed experts' of its top_k alone
+        return self._lora_params(self.top_k)
 
     @property
     def trained_params(self):  # what has gradients and AdamW states
@@ -329,7 +339,7 @@ def gemm_flops(s: Shape, lv: Levers | None = None) -> float:
     if s.lora_rank:
         adapted = sum(t in s.lora_targets for t in ("gate_proj", "up_proj"))
         kept = (lv.keep_mlp_layers if lv else 0) * (2 * s.hidden + adapted * s.lora_rank) * s.intermediate
-        return 2 * s.tokens * (3 * s.blocks_matmul_params + 2 * s.hidden * s.vocab + 4 * s.lora_params - kept)
+        return 2 * s.tokens * (3 * s.blocks_matmul_params + 2 * s.hidden * s.vocab + 4 * s.lora_active_params - kept)
     return 2 * s.tokens * (4 * s.blocks_matmul_params + 3 * s.hidden * s.vocab)
 
 
@@ -417,7 +427,7 @@ def adapter_seconds(s: Shape, lv: Levers | None = None, k: Constants = FITTED) -
     fine-tune."""
     if not s.lora_rank:
         return 0.0
-    widths = s.lora_params / s.lora_rank  # in + out, summed over the adapted projections
+    widths = s.lora_active_params / s.lora_rank  # in + out, summed over the adapted projections a token meets
     kept = sum(projection_widths(s)[t] for t in ("gate_proj", "up_proj") if t in s.lora_targets) * (
         lv.keep_mlp_layers if lv else 0)
     return (k.adapter_ps_per_token_width * 1e-12 * s.tokens * (widths - ADAPTER_RECOMPUTE * kept)

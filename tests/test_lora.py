@@ -392,27 +392,44 @@ def test_qlora_is_lora_on_the_dequantized_model(group_of_one):
 
 # --- Qwen3-MoE, flags ---------------------------------------------------------------------------------
 
-def test_moe_takes_attention_adapters_only(tmp_path):
-    """On Qwen3-MoE the attention adapters match PEFT's (loss and gradients), the experts frozen; adapters on the
-    MLP are refused in one line."""
+@pytest.mark.parametrize("tile", [0, 5])
+def test_moe_takes_attention_and_expert_adapters(tmp_path, tile):
+    """On Qwen3-MoE the adapters on attention and on the routed experts (PEFT's target_parameters
+    mlp.experts.gate_up_proj and mlp.experts.down_proj) match PEFT's, fp32: the loss, and every adapter's gradient
+    (the experts' A and B, shared out among them, included), whole and with the MoE blocks in tiles of 5 rows
+    under recompute. In float64: PEFT adds each expert's delta to its weight where we run the adapters beside it,
+    and in float32 that alone moves a gradient by up to 1.1e-5; in float64 the worst is 1.4e-6 (transformers' router
+    takes its softmax in float32). Adapters on the MLP are refused in one line, as experts on a dense model."""
     import peft
     import transformers
     from test_moe import moe_cfg, random_moe, shifted
-    base = random_moe(moe_cfg())
+    base = random_moe(moe_cfg()).double()
     save_pretrained(base, str(tmp_path))
-    with pytest.raises(ValueError, match=r"^LoRA on Qwen3-MoE adapts the attention projections only \(its experts "
-                                         r"have no adapters\): pass --lora_targets q_proj,k_proj,v_proj,o_proj$"):
+    with pytest.raises(ValueError, match=r"^--lora_targets gate_proj,up_proj,down_proj,in_proj_qkv,.*,out_proj: not "
+                                         r"projections of Qwen3-MoE \(its MLP is its routed experts\); pass "
+                                         r"--lora_targets q_proj,k_proj,v_proj,o_proj \(attention\), with ,experts "
+                                         r"to adapt the experts too$"):
         lora.apply(random_moe(moe_cfg()), RANK, ALPHA)
     with pytest.raises(ValueError, match="^--quantize nf4 is for dense models"):
         lora.apply(random_moe(moe_cfg()), RANK, ALPHA, lora.ATTENTION, quantize="nf4")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(lora.ATTENTION)))
-    m = adapted(base, lora.ATTENTION).set_levers(recompute=True, mlp_tile=5)
+    with pytest.raises(ValueError, match=r"^--lora_targets experts: this model has no routed experts \(a dense "
+                                         r"model\); drop it$"):
+        lora.apply(random_model(tiny()), RANK, ALPHA, lora.ATTENTION + (lora.EXPERTS,))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float64,
+                                                           experts_implementation="eager")  # its loop: any dtype
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(lora.ATTENTION),
+                                                 target_parameters=["mlp.experts.gate_up_proj",
+                                                                    "mlp.experts.down_proj"]))
+    m = adapted(base, lora.ATTENTION + (lora.EXPERTS,))
+    if tile:
+        m.set_levers(recompute=True, mlp_tile=tile)
     params = dict(pm.named_parameters())
+    ours = {n for n, _ in m.named_parameters() if lora.is_adapter(n)}
+    assert {peft_name(n) for n in ours} == {n for n, p in params.items() if p.requires_grad}
+    assert sum(".experts." in n for n in ours) == 4 * sum(m.cfg.sparse(i) for i in range(m.cfg.num_hidden_layers))
     with torch.no_grad():
-        for n, p in m.named_parameters():
-            if lora.is_adapter(n):
-                params[peft_name(n)].copy_(p)
+        for n in ours:
+            params[peft_name(n)].copy_(m.get_parameter(n))
     ids = torch.randint(0, 97, (1, 23), generator=torch.Generator().manual_seed(1))
     out = pm(ids, labels=ids)
     out.loss.backward()

@@ -379,6 +379,64 @@ def test_grouped_gemm_equals_the_loop_on_cpu():
     assert grouped[3][3].abs().max() == 0  # the empty expert's weights get no gradient
 
 
+def expert_lora(E, H, I, r, dtype, device, seed=1):
+    """Random adapters in PEFT's layout for stacked experts: gate_up's A [r E, H] and B [2 I, r E], down's
+    A [r E, I] and B [H, r E]."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((r * E, H), (2 * I, r * E), (r * E, I), (H, r * E))
+    return [(torch.randn(sh, generator=gen, device=device, dtype=torch.float64) * 0.3).to(dtype) for sh in shapes]
+
+
+def with_lora(fn, scaling):
+    """fn with its adapters as trailing positional tensors, so that run_experts differentiates them."""
+    return lambda x, w, experts, g, u, d, *ad: fn(x, w, experts, g, u, d, tuple(ad), scaling)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_expert_adapters_are_peft_s_deltas_and_the_grouped_gemm_runs_them():
+    """LoRA on the routed experts, fp32 on the CPU, 37 rows, top-2 of 5 experts (one with no rows), rank 8: the
+    loop with adapters equals the loop without them on the weights PEFT's layout says they stand for (expert e:
+    W + s B[:, e::E] @ A[e r:(e+1) r], gate_up's rows gate then up), and the grouped GEMM equals the loop, the
+    adapters' gradients included (the empty expert's slices get none)."""
+    E, H, I, r, s = 5, 16, 24, 8, 0.5
+    leaves, experts, dy = expert_inputs(37, H, I, E, 2, torch.float32, "cpu")
+    ad = expert_lora(E, H, I, r, torch.float32, "cpu")
+    x, weights, wg, wu, wd = leaves
+    with torch.no_grad():
+        a_gu, b_gu, a_d, b_d = ad
+        delta = [s * b_gu[:, e::E] @ a_gu[e * r:(e + 1) * r] for e in range(E)]       # [2 I, H] each
+        merged = (wg + torch.stack([d[:I] for d in delta]), wu + torch.stack([d[I:] for d in delta]),
+                  wd + torch.stack([s * b_d[:, e::E] @ a_d[e * r:(e + 1) * r] for e in range(E)]))
+        torch.testing.assert_close(moe.experts_loop(x, weights, experts, *leaves[2:], tuple(ad), s),
+                                   moe.experts_loop(x, weights, experts, *merged), rtol=1e-5, atol=1e-5)
+    loop = run_experts(with_lora(moe.experts_loop, s), leaves + ad, experts, dy)
+    grouped = run_experts(with_lora(moe.experts_grouped, s), leaves + ad, experts, dy)
+    for name, a, b in zip(NAMES + ADAPTER_NAMES, grouped, loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    assert loop[6][3 * r:4 * r].abs().max() == 0 and loop[7][:, 3::E].abs().max() == 0  # expert 3: no rows
+
+
+ADAPTER_NAMES = ["dA_gate_up", "dB_gate_up", "dA_down", "dB_down"]
+
+
+@pytest.mark.gpu
+def test_expert_adapters_on_cuda_in_bf16():
+    """The CUDA grouped GEMM with rank-16 adapters on the experts (bf16) and the loop (bf16) against the float64
+    loop, forward and backward, at 4099 rows, top-8 of 16 experts, one with no rows: the grouped path within 2x of
+    the loop's error or of the bf16 floor, the adapters' gradients included."""
+    E, H, I, r, s = 16, 256, 128, 16, 2.0
+    leaves, experts, dy = expert_inputs(4099, H, I, E, 8, torch.float64, "cuda")
+    ad = expert_lora(E, H, I, r, torch.float64, "cuda")
+    ref = run_experts(with_lora(moe.experts_loop, s), leaves + ad, experts, dy)
+    bf = [t.bfloat16() for t in leaves + ad]
+    assert moe.grouped_gemm_ok(bf[0], bf[2], bf[5:])
+    loop = run_experts(with_lora(moe.experts_loop, s), bf, experts, dy.bfloat16())
+    grouped = run_experts(with_lora(moe.experts_grouped, s), bf, experts, dy.bfloat16())
+    for name, g, lp, rf in zip(NAMES + ADAPTER_NAMES, grouped, loop, ref):
+        floor = rel(rf.bfloat16(), rf)
+        assert g.dtype == torch.bfloat16 and rel(g, rf) <= 2 * max(rel(lp, rf), floor), (name, rel(g, rf), floor)
+
+
 @pytest.mark.gpu
 def test_grouped_gemm_on_cuda_in_bf16():
     """The CUDA grouped GEMM (bf16) and the loop (bf16) against the float64 loop, forward and backward, at 997

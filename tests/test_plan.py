@@ -360,11 +360,13 @@ def test_qwen3_5_moe_counts_are_the_models():
     per_block = sum(p.numel() for p in block.parameters())
     active = per_block - (256 - 8) * 3 * 2048 * 512
     assert s.active_params == s.params - 40 * (per_block - active) and round(s.active_params / 1e9, 2) == 3.45
-    targets = lora.ATTENTION + lora.DELTANET
-    with torch.device("meta"):
-        adapted = lora.apply(Qwen3_5Moe(mcfg), 16, targets=targets)
-    assert plan.Shape.of(mcfg, 131072, 1, 1, 1, lora_rank=16, lora_targets=targets).lora_params == sum(
-        p.numel() for p in adapted.parameters() if p.requires_grad)
+    for targets in (lora.ATTENTION + lora.DELTANET, lora.TARGETS + (lora.EXPERTS,)):
+        with torch.device("meta"):
+            adapted = lora.apply(Qwen3_5Moe(mcfg), 16, targets=targets)
+        a = plan.Shape.of(mcfg, 131072, 1, 1, 1, lora_rank=16, lora_targets=targets)
+        assert a.lora_params == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    # a token meets the adapters of its 8 experts, not of all 256: 16 x 8 x (2 H + 3 I) a layer, the others' alike
+    assert a.lora_params - a.lora_active_params == 16 * (256 - 8) * (2 * 2048 + 3 * 512) * 40
 
 
 def second_step(folder, name):
@@ -471,8 +473,9 @@ def test_a_moe_is_told_the_lora_it_takes(name):
     assert set(plan.Shape.of(mcfg, 524288, 1, 1, 1).lora_shape().lora_targets) == set(targets)
     if name.startswith("qwen3-"):
         assert named and lora.moe_targets_error(mcfg, lora.TARGETS) == (
-            "LoRA on Qwen3-MoE adapts the attention projections only (its experts have no adapters): pass "
-            "--lora_targets q_proj,k_proj,v_proj,o_proj")
+            "--lora_targets gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj: not "
+            "projections of Qwen3-MoE (its MLP is its routed experts); pass --lora_targets q_proj,k_proj,v_proj,o_proj "
+            "(attention), with ,experts to adapt the experts too")
     else:
         assert not named and "--lora_rank 16 (LoRA" in str(e.value)
 

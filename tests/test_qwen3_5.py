@@ -630,8 +630,9 @@ def test_the_adapter_folder_loads_in_peft(tmp_path):
         lora.TARGETS)
 
 
-def assert_exports_load(tmp_path, make):
-    """A model from make() with adapters on lora.TARGETS (random A and B), exported by lora.save to tmp_path/adapter
+def assert_exports_load(tmp_path, make, targets=None):
+    """A model from make() with adapters on targets (lora.TARGETS by default; random A and B), exported by
+    lora.save to tmp_path/adapter
     (PEFT's folder) and tmp_path/merged: PEFT over transformers' model of the base (saved to tmp_path/base) and
     transformers alone on the merged folder give our logits within 1e-5 in fp32. -> the PeftModel."""
     import peft
@@ -640,7 +641,7 @@ def assert_exports_load(tmp_path, make):
     from test_lora import adapted
     base = make()
     save_pretrained(base, str(tmp_path / "base"))
-    m = adapted(make(), lora.TARGETS)
+    m = adapted(make(), targets or lora.TARGETS)
     sd = m.state_dict()
     lora.save(str(tmp_path / "adapter"), m, sd, str(tmp_path / "base"))
     lora.save(str(tmp_path / "merged"), m, sd, str(tmp_path / "base"), merge=True)

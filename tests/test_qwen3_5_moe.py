@@ -168,29 +168,31 @@ def test_context_parallel_equals_one_device(world, tmp_path):
         assert_grads_close({n: sum(r["grads"][n] for r in got) for n in got[0]["grads"]}, grads(model), where)
 
 
+@pytest.mark.parametrize("experts", [False, True])
 @pytest.mark.parametrize("tile", [0, 7])
-def test_lora_matches_peft(tmp_path, tile):
+def test_lora_matches_peft(tmp_path, tile, experts):
     """lora.apply on every projection it takes (attention, DeltaNet, and the MLP names, which adapt the shared
-    expert as PEFT's do; the routed experts and the router stay frozen, with no adapter) against PEFT on
-    transformers' Qwen3_5MoeForCausalLM with the same adapter values, fp32: the loss with its load-balancing term
-    within 1e-6 relative, every adapter's gradient within 2e-4 (as for the dense model), whole and with the MoE
-    blocks in tiles of 7 rows under recompute (whose backward skips the frozen experts' gradients); NF4 is refused
-    with one line."""
+    expert as PEFT's do), the routed experts frozen or (experts) adapted as PEFT's target_parameters adapt them,
+    against PEFT on transformers' Qwen3_5MoeForCausalLM with the same adapter values, fp32: the loss with its
+    load-balancing term within 1e-6 relative, every adapter's gradient within 2e-4 (as for the dense model), whole
+    and with the MoE blocks in tiles of 7 rows under recompute (whose backward skips the frozen weights'
+    gradients); NF4 is refused with one line."""
     import peft
     from transformers import AutoModelForCausalLM
     from million import lora
     from test_fa4 import rel
     from test_lora import ALPHA, RANK, adapted, peft_name
-    targets = lora.TARGETS
+    targets = lora.TARGETS + ((lora.EXPERTS,) if experts else ())
     save_pretrained(make_model(torch.float32, cfg()), tmp_path)
     pm = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), peft.LoraConfig(
-        r=RANK, lora_alpha=ALPHA, target_modules=list(targets), lora_dropout=0.0))
+        r=RANK, lora_alpha=ALPHA, target_modules=list(lora.TARGETS), lora_dropout=0.0,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None))
     m = adapted(make_model(torch.float32, cfg()), targets)
     if tile:
         m.set_levers(recompute=True, mlp_tile=tile)
     theirs = {n: p for n, p in pm.named_parameters() if p.requires_grad}
     ours = {n: p for n, p in m.named_parameters() if p.requires_grad}
-    assert {peft_name(n) for n in ours} == set(theirs) and len(ours) == 2 * (4 + 5 * 3 + 3 * 4)
+    assert {peft_name(n) for n in ours} == set(theirs) and len(ours) == 2 * (4 + 5 * 3 + 3 * 4 + 2 * 4 * experts)
     assert sum(".shared_expert." in n for n in ours) == 2 * 3 * 4
     with torch.no_grad():
         for n, p in ours.items():
@@ -209,11 +211,16 @@ def test_lora_matches_peft(tmp_path, tile):
 
 def test_the_adapter_folder_loads_in_peft(tmp_path):
     """lora.save's PEFT folder for a Qwen3.5-MoE with adapters on every projection it takes (the shared expert's
-    among them) loads with peft.PeftModel.from_pretrained over transformers' Qwen3_5MoeForCausalLM of the base and
-    gives our logits (fp32, within 1e-5); the merged export loads alone with the same."""
+    among them) and on its routed experts loads with peft.PeftModel.from_pretrained over transformers'
+    Qwen3_5MoeForCausalLM of the base and gives our logits (fp32, within 1e-5); the merged export (each expert's
+    delta added to its weights) loads alone with the same."""
+    from million import lora
     from test_qwen3_5 import assert_exports_load
-    pm = assert_exports_load(tmp_path, lambda: make_model(torch.float32, cfg()))
-    assert sum(".shared_expert." in n and "lora_A" in n for n, _ in pm.named_parameters()) == 3 * 4
+    pm = assert_exports_load(tmp_path, lambda: make_model(torch.float32, cfg()), lora.TARGETS + (lora.EXPERTS,))
+    names = [n for n, _ in pm.named_parameters() if "lora_A" in n]
+    assert sum(".shared_expert." in n for n in names) == 3 * 4 and sum(".experts." in n for n in names) == 2 * 4
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 @pytest.mark.gpu

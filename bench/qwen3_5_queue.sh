@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The Qwen3.5 GPU work of one session, queued: it runs in the background on the GPU machine, so that it goes on
+# between the calls that watch it (a call lasts 10 minutes at most; a run of 524,288 tokens takes about as long).
+#
+#   bash bench/qwen3_5_queue.sh start JOB...   # in the call that installs the wheels (bench/gpu_wheels.sh)
+#   bash bench/qwen3_5_queue.sh wait OUT SECS  # in the next calls: wait for the queue to end or for SECS seconds,
+#                                              # then copy everything it wrote so far into OUT
+#
+# JOB, run in the order given, each with its own timeout; its files land in /tmp/queue/JOB:
+#   tests       the rule test at the 9B's heads (fills Triton's cache), then the model-level fla check
+#   moe         the 35B-A3B's LoRA step at 131,072 tokens (attention and DeltaNet adapted)
+#   moe_shared  the same with the MLP names too (the shared expert's adapters)
+#   qlora       the 9B's LoRA step at 131,072 tokens on NF4 weights (torchao on the path)
+#   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
+#   profile     the 35B-A3B's LoRA step 2 traced, and its summary (bench/profile_step.py)
+set -u
+Q=/tmp/queue
+ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
+MOE=bench/configs/qwen3_5-35b-a3b
+
+job() {  # name: one job, its output into $Q/name
+    local d=$Q/$1
+    mkdir -p "$d"
+    case $1 in
+        tests) timeout 500 python -m pytest -m gpu -p no:xdist -s tests/test_qwen3_5.py \
+                   -k "kernel_matches_the_torch_rule and 8192 or model_matches" > "$d/gpu_tests.log" 2>&1 ;;
+        moe) MODEL=$MOE bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
+        moe_shared) MODEL=$MOE TARGETS=$ALL bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
+        qlora) EXTRA="--quantize nf4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
+        long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
+        profile) MODEL=$MOE EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
+                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1 ;;
+        *) echo "unknown job $1" > "$d/error.txt" ;;
+    esac
+    echo "$1 rc $? at $(date +%T)" >> $Q/done.txt
+}
+
+case "${1:-}" in
+start)
+    shift; mkdir -p $Q; : > $Q/done.txt
+    setsid bash -c "for j in $*; do bash $0 job \$j; done; echo all >> $Q/done.txt" > $Q/queue.log 2>&1 &
+    echo "queue started: $*" ;;
+job) job "$2" ;;
+wait)
+    OUT=$2; t=0
+    while ! grep -qx all $Q/done.txt 2>/dev/null && [ "$t" -lt "$3" ]; do sleep 5; t=$((t + 5)); done
+    cp -r $Q/. "$OUT/"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    cat $Q/done.txt; tail -3 $Q/*/rc.txt 2>/dev/null; grep -h "^step\|^error" $Q/*/*.log 2>/dev/null | tail -8 ;;
+*) echo "usage: bash bench/qwen3_5_queue.sh start JOB... | wait OUT SECONDS" >&2; exit 2 ;;
+esac

@@ -10,6 +10,7 @@
 #   tests       the rule test at the 9B's heads (fills Triton's cache), then the model-level fla check
 #   moe         the 35B-A3B's LoRA step at 131,072 tokens (attention and DeltaNet adapted)
 #   moe_shared  the same with the MLP names too (the shared expert's adapters)
+#   moe_experts the same as moe with the routed experts adapted too (--lora_targets ...,experts)
 #   qlora       the 9B's LoRA step at 131,072 tokens on NF4 weights (torchao on the path)
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   profile     the 35B-A3B's LoRA step 2 traced, and its summary (bench/profile_step.py)
@@ -23,9 +24,12 @@ job() {  # name: one job, its output into $Q/name
     mkdir -p "$d"
     case $1 in
         tests) timeout 500 python -m pytest -m gpu -p no:xdist -s tests/test_qwen3_5.py \
-                   -k "kernel_matches_the_torch_rule and 8192 or model_matches" > "$d/gpu_tests.log" 2>&1 ;;
+                   -k "kernel_matches_the_torch_rule and 8192 or model_matches" > "$d/gpu_tests.log" 2>&1
+               timeout 200 python -m pytest -m gpu -p no:xdist -s tests/test_moe.py > "$d/gpu_tests_moe.log" 2>&1 ;;
         moe) MODEL=$MOE bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         moe_shared) MODEL=$MOE TARGETS=$ALL bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
+        moe_experts) MODEL=$MOE TARGETS=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj,experts \
+                     bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         qlora) EXTRA="--quantize nf4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         profile) MODEL=$MOE EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&

@@ -115,11 +115,11 @@ def experts_grouped(x, weights, experts, w_gate, w_up, w_down, adapters=(), scal
 
 
 def grouped_gemm_ok(x, w_gate, adapters=()) -> bool:
-    """torch._grouped_mm's CUDA kernel: bf16, rows 16-byte aligned (hidden, moe_intermediate and the adapters'
-    rank multiples of 8)."""
+    """torch._grouped_mm's CUDA kernel: bf16 throughout, rows 16-byte aligned (hidden, moe_intermediate and the
+    adapters' rank multiples of 8)."""
     rank = adapters[0].shape[0] // w_gate.shape[0] if adapters else 8
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0 and rank % 8 == 0)
+    return (x.is_cuda and hasattr(torch, "_grouped_mm")
+            and all(t.dtype == torch.bfloat16 for t in (x, w_gate, *adapters)) and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0 and rank % 8 == 0)
 
 
 def moe_rows(x, ws, top_k, norm_topk_prob, scaling=0.0):

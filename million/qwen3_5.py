@@ -508,9 +508,10 @@ def model_class(cfg: Qwen3_5Config) -> type:
 def check_flags(cfg, model_type: str = "qwen3_5", cp: int = 1, mcfg: Qwen3_5Config | None = None) -> str | None:
     """What train.py's flags (config.TrainConfig) ask of a Qwen3.5 (config.json's model_type; mcfg, or the one read
     from a local --model) that it does not do, in one line; or None."""
-    if cfg.lora_rank and "moe" in model_type:
+    if cfg.lora_rank:
         from million import lora
-        why = lora.moe_targets_error(Qwen3_5MoeConfig(), lora.parse_targets(cfg.lora_targets), cfg.quantize)
+        kind = Qwen3_5MoeConfig() if "moe" in model_type else Qwen3_5Config()
+        why = lora.moe_targets_error(kind, lora.parse_targets(cfg.lora_targets), cfg.quantize)
         if why:
             return why
     try:

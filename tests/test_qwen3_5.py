@@ -932,7 +932,8 @@ def test_unsupported_model_type_is_refused(tmp_path):
 def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
     """train.py's checks (config.check_config) on a local Qwen3.5 folder: QLoRA on a Qwen3.5-MoE is refused in one
     line that says what to do; a Qwen3.5 with LoRA on the DeltaNet projections passes, with QLoRA too, and so does
-    a Qwen3.5-MoE with LoRA on any projection (the MLP names adapt its shared expert). LoRA targets that
+    a Qwen3.5-MoE with LoRA on any projection (the MLP names adapt its shared expert) or on its routed experts,
+    which a dense Qwen3.5 refuses. LoRA targets that
     match no projection of the model are refused by lora.apply."""
     from million import config, lora
     from model import Qwen3, Qwen3Config
@@ -951,6 +952,9 @@ def test_flags_it_does_not_support_stop_with_one_line(tmp_path):
     assert error("qwen3_5_moe_text") is None
     assert error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj,in_proj_qkv") is None
     assert error("qwen3_5_moe_text", "--lora_rank", "4") is None  # the default targets: MLP's adapt the shared expert
+    assert error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj,experts") is None
+    dense = error("qwen3_5_text", "--lora_rank", "4", "--lora_targets", "q_proj,experts")
+    assert dense == "error: --lora_targets experts: this model has no routed experts (a dense model); drop it", dense
     moe = error("qwen3_5_moe_text", "--lora_rank", "4", "--lora_targets", "q_proj", "--quantize", "nf4")
     assert moe == "error: --quantize nf4 is for dense models: a mixture of experts trains LoRA over its bf16 base; " \
                   "drop it", moe

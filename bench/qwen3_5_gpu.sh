@@ -9,6 +9,7 @@
 #   MODEL=bench/configs/qwen3_5-35b-a3b bash bench/qwen3_5_gpu.sh OUT lora:131072  # Qwen3.5-MoE: LoRA on attention
 #                                                                                   # and DeltaNet (experts: none)
 #   TARGETS=q_proj,in_proj_qkv bash bench/qwen3_5_gpu.sh OUT lora:131072           # other --lora_targets
+#                                                    # (with ,experts on the 35B-A3B: its routed experts adapted too)
 #
 # With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4. The levers
 # are the ones measured (--fit off: every block offloaded and keeping attention's output, unless EXTRA says

@@ -494,7 +494,7 @@ def describe(model) -> str:
     nf4_base = [m.weight for m in lin if "weight" in m._buffers]
     total = sum(p.numel() for p in model.parameters()) + sum(w.numel() for w in nf4_base)
     base = "NF4" if nf4_base else str(next(p.dtype for p in model.parameters() if not p.requires_grad))[6:]
-    where = f"{len(adapted) - len(experts)} projections" + (f" and the routed experts of {len(experts)} layers"
-                                                           if experts else "")
+    where = " and ".join(([f"{len(adapted) - len(experts)} projections"] if len(adapted) > len(experts) else [])
+                         + ([f"the routed experts of {len(experts)} layers"] if experts else []))
     return (f"LoRA: rank {adapted[0].rank}, alpha {adapted[0].scaling * adapted[0].rank:g} on {where}: "
             f"{trained / 1e6:.2f} M trained parameters ({trained / total:.2%}); the base frozen in {base}")

@@ -119,7 +119,8 @@ def grouped_gemm_ok(x, w_gate, adapters=()) -> bool:
     adapters' rank multiples of 8)."""
     rank = adapters[0].shape[0] // w_gate.shape[0] if adapters else 8
     return (x.is_cuda and hasattr(torch, "_grouped_mm")
-            and all(t.dtype == torch.bfloat16 for t in (x, w_gate, *adapters)) and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0 and rank % 8 == 0)
+            and all(t.dtype == torch.bfloat16 for t in (x, w_gate, *adapters))
+            and x.shape[-1] % 8 == 0 and w_gate.shape[1] % 8 == 0 and rank % 8 == 0)
 
 
 def moe_rows(x, ws, top_k, norm_topk_prob, scaling=0.0):

@@ -13,6 +13,8 @@
 #   moe_experts the same as moe with the routed experts adapted too (--lora_targets ...,experts)
 #   qlora       the 9B's LoRA step at 131,072 tokens on NF4 weights (torchao on the path)
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
+#   ab          on a 12-layer cut of the 35B-A3B (fits an 80 GB GPU): LoRA as the code is, with the experts adapted,
+#               and as the tiled MoE's backward was before it skipped frozen weights
 #   profile     the 35B-A3B's LoRA step 2 traced, and its summary (bench/profile_step.py)
 set -u
 Q=/tmp/queue
@@ -32,6 +34,15 @@ job() {  # name: one job, its output into $Q/name
                      bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         qlora) EXTRA="--quantize nf4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
+        ab) # the 35B-A3B cut to 12 layers (an 80 GB GPU holds it): LoRA on attention and DeltaNet as the code is, then
+            # with the routed experts adapted too, then as the code was before the tiled MoE's backward skipped frozen
+            # weights (every weight a leaf again); 4 steps each, steps 2-4 timed
+            local cut=bench/configs/qwen3_5-35b-a3b-12l ad=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
+            MODEL=$cut TARGETS=$ad EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/after" lora:131072
+            MODEL=$cut TARGETS=$ad,experts EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/experts" lora:131072
+            sed -i 's/train = ctx.needs_input_grad\[4:\]/train = [True] * len(ws)/' million/moe.py
+            MODEL=$cut TARGETS=$ad EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/before" lora:131072
+            sed -i 's/train = \[True\] \* len(ws)/train = ctx.needs_input_grad[4:]/' million/moe.py ;;
         profile) MODEL=$MOE EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
                  python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1 ;;
         *) echo "unknown job $1" > "$d/error.txt" ;;

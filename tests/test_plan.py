@@ -419,8 +419,9 @@ def test_qwen3_5_moe_step_is_under_predicted_as_written_down():
     """The 35B-A3B's LoRA step at 131k (one H200) against the plan: memory on the safe side (+9.2%), pinned host
     exact, but the time 12% short (20.97 s predicted, 23.94 s measured). That run's tiled MoE backward computed the
     frozen experts' weight gradients, which the plan does not count under LoRA (it skips them since: ~1.2-1.7 s
-    predicted; on a 12-layer cut on an H100 it saved 6.1%, as predicted; the whole model not rerun), and its experts (256, 512 wide, ~512 rows each in a tile) are narrower than the
-    Qwen3-MoE ones the MoE rate was fitted to. This pins the measured miss (bench/NOTES.md) rather than fitting a
+    predicted; on a 12-layer cut on an H100 it saved 6.1%, as predicted; the whole model not rerun), and its
+    experts (256, 512 wide, ~512 rows each in a tile) are narrower than the Qwen3-MoE ones the MoE rate was fitted
+    to. This pins the measured miss (bench/NOTES.md) rather than fitting a
     constant to it; a change to the MoE terms that moves it fails here and should update the note."""
     from million import lora
     mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b"))

@@ -421,8 +421,8 @@ def test_qwen3_5_moe_step_is_under_predicted_as_written_down():
     frozen experts' weight gradients, which the plan does not count under LoRA (it skips them since: ~1.2-1.7 s
     predicted; on a 12-layer cut on an H100 it saved 6.1%, as predicted; the whole model not rerun), and its
     experts (256, 512 wide, ~512 rows each in a tile) are narrower than the Qwen3-MoE ones the MoE rate was fitted
-    to. This pins the measured miss (bench/NOTES.md) rather than fitting a
-    constant to it; a change to the MoE terms that moves it fails here and should update the note."""
+    to. This pins the measured miss (bench/NOTES.md) rather than fitting a constant to it; a change to the MoE
+    terms that moves it fails here and should update the note."""
     from million import lora
     mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b"))
     s = plan.Shape.of(mcfg, 131072, 1, 1, 1, attn_backend="fa4", lora_rank=16,

@@ -632,9 +632,9 @@ def test_the_adapter_folder_loads_in_peft(tmp_path):
 
 def assert_exports_load(tmp_path, make, targets=None):
     """A model from make() with adapters on targets (lora.TARGETS by default; random A and B), exported by
-    lora.save to tmp_path/adapter
-    (PEFT's folder) and tmp_path/merged: PEFT over transformers' model of the base (saved to tmp_path/base) and
-    transformers alone on the merged folder give our logits within 1e-5 in fp32. -> the PeftModel."""
+    lora.save to tmp_path/adapter (PEFT's folder) and tmp_path/merged: PEFT over transformers' model of the base
+    (saved to tmp_path/base) and transformers alone on the merged folder give our logits within 1e-5 in fp32.
+    -> the PeftModel."""
     import peft
     from transformers import AutoModelForCausalLM
     from million import lora

@@ -440,7 +440,7 @@ def test_moe_takes_attention_and_expert_adapters(tmp_path, tile):
     assert_matches((s / n).detach(), {k: p.grad for k, p in m.named_parameters()}, out.loss.detach(), ref)
 
 
-def test_flags_are_checked_before_any_work():
+def test_flags_are_checked_before_any_work(tmp_path):
     from million import config
     def error(**kw):
         with pytest.raises(SystemExit) as e:
@@ -452,4 +452,13 @@ def test_flags_are_checked_before_any_work():
     assert "use nf4" in error(lora_rank=8, quantize="int8")
     assert "LoRA lever" in error(keep_mlp_layers=4) and "count blocks" in error(lora_rank=8, keep_mlp_layers=-2)
     config.check_config(config.TrainConfig(device="cpu", seq_len=256, lora_rank=8, quantize="nf4"), 1)  # passes
+    # what lora.apply would refuse, refused before start-up: experts on a dense Qwen3, MLP names on a Qwen3-MoE
+    assert error(model="tiny", lora_rank=8, lora_targets="q_proj,experts") == \
+        "error: --lora_targets experts: this model has no routed experts (a dense model); drop it"
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert error(model=str(folder), lora_rank=8).startswith("error: --lora_targets gate_proj,up_proj,down_proj: not")
+    config.check_config(config.TrainConfig(device="cpu", seq_len=256, model=str(folder), lora_rank=8,
+                                           lora_targets="q_proj,experts"), 1)  # passes
     assert lora.apply(random_model(tiny()), 8).layers[0].mlp.up_proj.scaling == 2.0  # alpha 0: 2 x rank

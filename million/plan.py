@@ -224,8 +224,9 @@ class Shape:
         return self._params(self.moe_active_params)
 
     def lora_shape(self, rank=LORA_HINT_RANK, quantize="") -> "Shape":
-        """This shape with adapters of `rank` on every projection lora.py adapts (a MoE's routed experts take none;
-        Qwen3-MoE's MLP targets are refused, Qwen3.5-MoE's adapt its shared expert)."""
+        """This shape with adapters of `rank` on every projection lora.py adapts by default (a MoE's routed experts
+        left out, as PEFT's all-linear leaves them; Qwen3-MoE's MLP targets are refused, Qwen3.5-MoE's adapt its
+        shared expert)."""
         return replace(self, lora_rank=rank, quantize=quantize, lora_targets=tuple(
             t for t in projection_widths(self) if not (self.sparse_layers and not self.dn[0] and t in MLP_NAMES))
             + tuple(deltanet_projections(self)))

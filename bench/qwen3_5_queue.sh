@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Qwen3.5 GPU work of one session, queued: it runs in the background on the GPU machine, so that it goes on
+# Qwen3.5's GPU jobs, queued: it runs in the background on the GPU machine, so that it goes on
 # between the calls that watch it (a call lasts 10 minutes at most; a run of 524,288 tokens takes about as long).
 #
 #   bash bench/qwen3_5_queue.sh start JOB...   # in the call that installs the wheels (bench/gpu_wheels.sh)

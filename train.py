@@ -115,9 +115,9 @@ def model_config(cfg):
     """-> (--model's local folder, None for "tiny"; its config, with --yarn_factor applied)."""
     path = None if cfg.model == "tiny" else model_folder(cfg.model)
     mcfg = Qwen3Config.tiny() if path is None else hf.read_config(path)
-    if cfg.yarn_factor:
-        mcfg = mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings)
-    return path, mcfg
+    config.check_model(cfg, mcfg)  # the flags that need config.json (a hub id's: read only now)
+    return path, (mcfg.yarn_scaled(cfg.yarn_factor, cfg.yarn_original_max_position_embeddings) if cfg.yarn_factor
+                  else mcfg)
 
 
 def build_model(cfg, mcfg, path, mesh, attn_fn, device):

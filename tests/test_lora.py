@@ -462,3 +462,22 @@ def test_flags_are_checked_before_any_work(tmp_path):
     config.check_config(config.TrainConfig(device="cpu", seq_len=256, model=str(folder), lora_rank=8,
                                            lora_targets="q_proj,experts"), 1)  # passes
     assert lora.apply(random_model(tiny()), 8).layers[0].mlp.up_proj.scaling == 2.0  # alpha 0: 2 x rank
+
+
+def test_a_hub_ids_targets_are_checked_once_it_is_read(monkeypatch):
+    """A hub id's config is read only once downloaded, on rank 0 (train.model_config, under survival.on_rank0):
+    targets its model lacks stop the run there, in the same one line a local folder gets before start-up."""
+    import dataclasses
+    import huggingface_hub
+    import train
+    from million import config
+    folder = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: folder)  # the network
+    cfg = config.TrainConfig(device="cpu", seq_len=256, model="Qwen/Qwen3.5-Tiny", yarn_factor=0, lora_rank=8,
+                             lora_targets="q_proj,in_proj_qkv,experts")
+    config.check_config(cfg, 1)  # a hub id: nothing to read yet
+    with pytest.raises(SystemExit) as e:
+        train.model_config(cfg)
+    assert e.value.code == "error: --lora_targets experts: this model has no routed experts (a dense model); drop it"
+    path, mcfg = train.model_config(dataclasses.replace(cfg, lora_targets="q_proj,in_proj_qkv"))
+    assert path.endswith("tiny-qwen3_5") and mcfg.layer_types

@@ -414,13 +414,13 @@ def test_qwen3_5_steps_are_predicted():
 
 
 def test_qwen3_5_moe_steps_are_under_predicted_as_written_down():
-    """The 35B-A3B's LoRA steps at 131k (one H200) against the plan: memory on the safe side (+9% to +10%), pinned
-    host exact, the time short: 6.2% with attention and DeltaNet adapted, 6.4% with the shared expert's adapters
-    too, 9.3% with the routed experts' (bench/NOTES.md, "The 35B-A3B on this code"). What the plan lacks is
-    the MoE's: the step was 23.94 s (12% short) while the tiled backward computed the frozen experts' weight
-    gradients, which the plan rightly does not count under LoRA; skipping them took it to 22.36 s, as predicted.
-    The rest is not split yet: 512-wide experts with ~512 rows each in a tile (the MoE term was fitted to
-    Qwen3-MoE's 768 wide, 1,024 rows), and the routed experts' adapters at about twice the dense adapters' rate
+    """The 35B-A3B's LoRA steps at 131k (one H200) against the plan: memory on the safe side (+9.2%), pinned host
+    exact, the time short: 6.2% with attention and DeltaNet adapted, 6.4% with the shared expert's adapters too,
+    9.3% with the routed experts' (bench/NOTES.md, "The 35B-A3B, QLoRA and 524k on this code"). What the plan
+    lacks is the MoE's: the step was 23.94 s (12% short) while the tiled backward computed the frozen experts'
+    weight gradients, which the plan rightly does not count under LoRA; skipping them took it to 22.36 s, as
+    predicted. The rest is not split yet: 512-wide experts with ~512 rows each in a tile (the MoE term was fitted
+    to Qwen3-MoE's 768 wide, 1,024 rows), and the routed experts' adapters at about twice the dense adapters' rate
     (the same ratio on an H100). This pins the measured misses rather than fitting a constant to them; a change
     to the MoE terms that moves them fails here and should update the note."""
     from million import lora

@@ -56,6 +56,8 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
         fixed["keep_mlp_layers"] = lv.keep_mlp_layers
     if "deltanet_tile" in given:
         fixed["deltanet_tile"] = lv.deltanet_tile
+    if cfg.device == "cpu":
+        check_cpu_memory(cfg, mcfg, world, device)
     if cfg.fit == "off" or not cfg.recompute or (cfg.device == "cpu" and not cfg.gpu_mem_gib):
         why = "--fit off" if cfg.fit == "off" else "no recompute" if not cfg.recompute else "CPU"
         return log(f"fit: levers as given ({why})")
@@ -84,6 +86,31 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
     cfg.deltanet_tile = lv.deltanet_tile
     log(f"fit: {caps[0].item():.1f} GiB GPU per rank, {caps[1].item():.0f} GiB host per node -> "
         + plan.describe(lv, cost, shape) + (f" (given: {', '.join(sorted(fixed))})" if fixed else ""))
+
+
+def cpu_ram_bytes(cfg, mcfg, world: int) -> tuple[float, float]:
+    """On a CPU the model's memory is the host's: (bytes a rank needs at its peak, plan.py's with the levers as
+    given; the bytes of rank 0's full copy of the weights while it loads them). This node's need is the ranks'
+    peaks plus the copy: within -1% to +6% of the peaks measured on a CPU (tests/test_plan.py)."""
+    shape, lv = plan_shape(cfg, mcfg, world), levers(cfg, mcfg.num_hidden_layers)
+    load = shape.params * (shape.act_bytes if shape.lora_rank else shape.param_bytes)
+    return plan.gpu_bytes(shape, lv) + plan.host_bytes(shape, lv, pinned=False), load
+
+
+def check_cpu_memory(cfg, mcfg, world: int, device):
+    """Stop a CPU run before its model is built when this node's ranks would need more RAM than it has, rather than
+    let the OS kill it without a word (one line, from rank 0)."""
+    per_rank, load = cpu_ram_bytes(cfg, mcfg, world)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = (ranks * per_rank + load) / 2**30
+    ram = torch.tensor([cfg.host_mem_gib or plan.host_memory_gib()], dtype=torch.float64, device=device)
+    dist.all_reduce(ram, op=dist.ReduceOp.MIN)
+    if need > ram.item():
+        hint = "" if cfg.lora_rank else "use LoRA (--lora_rank 16), "
+        raise SharedError(f"error: on the CPU this run needs about {need:.0f} GiB of RAM on this node ({ranks} "
+                          f"rank(s) x {per_rank / 2**30:.1f} GiB, and {load / 2**30:.1f} GiB of weights while rank 0 "
+                          f"loads them) but it has {ram.item():.0f} GiB; {hint}a shorter --seq_len, a smaller "
+                          "--model, or GPUs (--device cuda)")
 
 
 def check_host_memory(cfg, mcfg, world: int, log):

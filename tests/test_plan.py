@@ -305,6 +305,22 @@ def test_no_fit_names_lora_qlora_and_a_length_that_fit():
     assert "--seq_len 524288, or more GPUs" in no_fit(full[1048576].lora_shape(quantize="nf4"))
 
 
+def test_a_cpu_runs_ram_is_predicted(monkeypatch):
+    """On a CPU, fit.cpu_ram_bytes (plan.py's peak per rank, and rank 0's full copy of the weights while it loads
+    them) against the peak host memory measured on a 2-core CPU machine (bench/results/cpu_ram_2026-12-06.json):
+    LoRA at 1 and 2 ranks and a full fine-tune, predicted within -1% to +6% (+1.8%, +0.9%, +5.7%)."""
+    import json
+    from million import config, fit
+    with open(os.path.join(ROOT, "bench", "results", "cpu_ram_2026-12-06.json")) as fh:
+        runs = json.load(fh)["runs"]
+    for run in runs:
+        cfg = config.TrainConfig(**{**config.PRESETS["demo"], "model": os.path.join(ROOT, run["model"]),
+                                    "seq_len": 256, "lora_rank": run["lora_rank"]})
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(run["ranks"]))
+        per_rank, load = fit.cpu_ram_bytes(cfg, hf.read_config(cfg.model), run["ranks"])
+        assert -0.01 < (run["ranks"] * per_rank + load) / (run["peak_kib"] * 1024) - 1 < 0.06, run
+
+
 # --- Qwen3.5 ---------------------------------------------------------------------------------------------
 
 Q35_RUNS = os.path.join(ROOT, "bench", "results", "qwen3_5_fla_2026-12-05b")  # fla's conv, the rule inputs in fla

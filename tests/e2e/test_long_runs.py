@@ -283,6 +283,21 @@ def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
     assert len((small_disk / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_cpu_run_past_its_ram_stops_in_one_line_before_the_model_is_built(tmp_path):
+    """Qwen3-8B's full fine-tune on a CPU node given 24 GiB (it needs about 156): every rank stops before any
+    weight is allocated, with rank 0's one line naming the need and what to change, instead of the OS killing a
+    rank without a word; nothing is left behind. With LoRA the line does not suggest LoRA."""
+    model = os.path.join(ROOT, "bench", "configs", "qwen3-8b")
+    p = launch(2, tmp_path / "run", "--model", model, "--host_mem_gib", "24", timeout=120)
+    lines = error_lines(p)
+    assert p.returncode != 0 and len(lines) == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert lines[0].startswith("error: on the CPU this run needs about ") and "but it has 24 GiB; use LoRA" in lines[0]
+    assert not (tmp_path / "run").exists()
+    p = launch(2, tmp_path / "run", "--model", model, "--host_mem_gib", "24", "--lora_rank", "8", timeout=120)
+    lines = error_lines(p)
+    assert len(lines) == 1 and "it has 24 GiB; a shorter --seq_len" in lines[0], lines
+
+
 def test_the_export_is_whole_and_carries_the_run_tokenizer(tmp_path):
     """--save_dir is written beside and renamed into place (an earlier export is replaced whole, never mixed);
     it holds the tokenizer given by --tokenizer, with ordinary file permissions."""

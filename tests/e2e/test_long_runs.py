@@ -284,7 +284,7 @@ def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
 
 
 def test_a_cpu_run_past_its_ram_stops_in_one_line_before_the_model_is_built(tmp_path):
-    """Qwen3-8B's full fine-tune on a CPU node given 24 GiB (it needs about 156): every rank stops before any
+    """Qwen3-8B's full fine-tune on a CPU node given 24 GiB (it needs over 100): every rank stops before any
     weight is allocated, with rank 0's one line naming the need and what to change, instead of the OS killing a
     rank without a word; nothing is left behind. With LoRA the line does not suggest LoRA."""
     model = os.path.join(ROOT, "bench", "configs", "qwen3-8b")

@@ -30,7 +30,7 @@ for run in "$@"; do
     esac
     name="q35$(basename "$MODEL" | grep -o -- '-35b-a3b')_${kind}_$tokens"
     # shellcheck disable=SC2086
-    setsid timeout "${TIMEOUT:-$(( tokens < 100000 ? 300 : 480 ))}" python -m torch.distributed.run --standalone \
+    setsid timeout "${TIMEOUT:-$(( tokens < 100000 ? 300 : tokens < 300000 ? 480 : 590 ))}" python -m torch.distributed.run --standalone \
         --nproc_per_node 1 train.py --model "$MODEL" --tokenizer byte --data synthetic \
         --yarn_factor 0 --seq_len "$tokens" --max_steps 2 --fit off "${flags[@]}" ${EXTRA:-} \
         --checkpoints false --resume none --overwrite true --out_dir "/tmp/$name" > "$OUT/$name.log" 2>&1 &

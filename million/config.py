@@ -301,10 +301,8 @@ def check_config(cfg: TrainConfig, world: int):
         from million import qwen3_5
         why = qwen3_5.check_flags(cfg, kind, context_parallel(cfg, world))
         need(why is None, why)
-    elif cfg.lora_rank and (cfg.model == "tiny" or kind in ("qwen3", "qwen3_moe")):  # what lora.apply would refuse
-        why = lora.moe_targets_error(SimpleNamespace(num_experts=int(kind == "qwen3_moe")),
-                                     lora.parse_targets(cfg.lora_targets), cfg.quantize)
-        need(why is None, why)
+    elif cfg.model == "tiny" or kind in ("qwen3", "qwen3_moe"):  # a stand-in for the config, which the loader reads
+        check_model(cfg, SimpleNamespace(num_experts=int(kind == "qwen3_moe")))  # (and reports if it is broken)
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
          f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "
          "folder of books not trained on)")

@@ -8,8 +8,9 @@ history (what is alive at the step's peak, grouped by the line of our code that 
 
 Kinds of kernel, by name: attention (cuDNN/flash SDPA), matmul (cuBLAS/CUTLASS GEMMs), optimizer (fused AdamW),
 copy (host<->device and device copies), loss (any kernel launched inside the `chunked_nll` range, matmuls
-included), experts (any kernel launched inside a Qwen3-MoE block's `moe` range: router, permutation, grouped GEMMs),
-other (elementwise, norms, reductions). Writes summary.json next to the trace.
+included), experts GEMM and experts rest (kernels launched inside a MoE block's `moe` range: the grouped GEMMs, and
+the router, permutation and elementwise work), deltanet (fla's rule, conv and l2norm kernels), other (elementwise,
+norms, reductions). Writes summary.json next to the trace.
 """
 import argparse
 import collections
@@ -23,11 +24,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_steps import run_one  # noqa: E402
 
+MATMUL = r"gemm|nvjet|cutlass|xmma|cublas|sm90_.*tn|splitk"
 KINDS = [("attention", r"sdpa|fmha|flash|attention|cudnn"), ("optimizer", r"adam|multi_tensor"),
-         ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_.*tn|splitk")]
+         ("deltanet", r"chunk_|delta|conv1d|solve_tril|recompute_w_u|l2norm|cumsum"), ("matmul", MATMUL)]
 RANGES = {"chunked_nll": "loss", "moe": "experts"}  # record_function names in model.py, moe.py -> kind of kernels
 OUR_FILES = ("model.py", "moe.py", "lora.py", "loss.py", "parallel.py", "kernels.py", "documents.py", "optim.py",
-             "train.py")
+             "train.py", "qwen3_5.py", "deltanet.py")
 
 
 def union_us(intervals):
@@ -58,6 +60,8 @@ def summarise_trace(path):
         else:
             kind = next((kd for kd, s, e in ranges if t is not None and s <= t <= e), None) or next(
                 (kd for kd, pat in KINDS if re.search(pat, name, re.I)), "other")
+            if kind == "experts":  # the experts' GEMMs apart from the routing, permutation and elementwise work
+                kind = "experts GEMM" if re.search(MATMUL, name, re.I) else "experts rest"
         by_kind[kind] += k["dur"]
         by_name[(kind, name[:90])] += k["dur"]
     compute = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if k["cat"] == "kernel"]
@@ -148,7 +152,7 @@ def main():
     t = out["trace"]
     print(f"\nGPU span {t['span_s']:.2f} s: kernels busy {t['compute_busy_s']:.2f} s, idle {t['idle_s']:.2f} s")
     for k, v in t["by_kind_s"].items():
-        print(f"  {k:<10}{v:8.2f} s  {v / t['span_s']:6.1%}")
+        print(f"  {k:<14}{v:8.2f} s  {v / t['span_s']:6.1%}")
     print("largest kernels:")
     for kind, name, v in t["top_kernels"]:
         print(f"  {v:8.3f} s  {kind:<9} {name}")

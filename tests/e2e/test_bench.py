@@ -54,3 +54,23 @@ def test_the_readme_s_reading_counts_hold(tmp_path):
     package, modules, total = int(said[1].replace(",", "")), int(said[2]), int(said[3].replace(",", ""))
     assert abs(package - r["package_lines"]) <= 0.1 * r["package_lines"], (package, r["package"])
     assert modules == len(r["package"]) and total == r["core_lines"] + package, (modules, total, r)
+
+
+def test_the_profile_summary_sorts_kernels_by_kind(tmp_path):
+    """bench/profile_step.py's trace summary on a trace written here: the experts' grouped GEMMs apart from their
+    routing (by the `moe` range a kernel was launched in), fla's kernels as deltanet, the rest by name."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from profile_step import summarise_trace
+
+    def kernel(name, ts, dur, corr):
+        return [dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1, args=dict(correlation=corr)),
+                dict(ph="X", cat="kernel", name=name, ts=ts + 2, dur=dur, args=dict(correlation=corr))]
+    events = [dict(ph="X", cat="user_annotation", name="moe", ts=100, dur=50)]
+    launched = [("sm90_xmma_gemm_bf16_grouped", 110, 7), ("index_select_kernel", 120, 3), ("sm90_xmma_gemm_bf16", 200, 5),
+                ("chunk_gated_delta_rule_fwd_kernel_h", 210, 4), ("flash_fwd_kernel", 220, 6), ("rms_norm_kernel", 230, 2)]
+    for i, (name, ts, dur) in enumerate(launched):
+        events += kernel(name, ts, dur, i)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(dict(traceEvents=events)))
+    got = {k: round(v * 1e6) for k, v in summarise_trace(str(path))["by_kind_s"].items()}
+    assert got == {"experts GEMM": 7, "experts rest": 3, "matmul": 5, "deltanet": 4, "attention": 6, "other": 2}

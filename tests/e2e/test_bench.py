@@ -66,8 +66,9 @@ def test_the_profile_summary_sorts_kernels_by_kind(tmp_path):
         return [dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1, args=dict(correlation=corr)),
                 dict(ph="X", cat="kernel", name=name, ts=ts + 2, dur=dur, args=dict(correlation=corr))]
     events = [dict(ph="X", cat="user_annotation", name="moe", ts=100, dur=50)]
-    launched = [("sm90_xmma_gemm_bf16_grouped", 110, 7), ("index_select_kernel", 120, 3), ("sm90_xmma_gemm_bf16", 200, 5),
-                ("chunk_gated_delta_rule_fwd_kernel_h", 210, 4), ("flash_fwd_kernel", 220, 6), ("rms_norm_kernel", 230, 2)]
+    launched = [("sm90_xmma_gemm_bf16_grouped", 110, 7), ("index_select_kernel", 120, 3),
+                ("sm90_xmma_gemm_bf16", 200, 5), ("chunk_gated_delta_rule_fwd_kernel_h", 210, 4),
+                ("flash_fwd_kernel", 220, 6), ("rms_norm_kernel", 230, 2)]
     for i, (name, ts, dur) in enumerate(launched):
         events += kernel(name, ts, dur, i)
     path = tmp_path / "trace.json"

@@ -19,9 +19,11 @@
 #   ab          on a 12-layer cut of the 35B-A3B (fits an 80 GB GPU): LoRA as the code is, with the experts adapted,
 #               and as the tiled MoE's backward was before it skipped frozen weights
 #   profile     the 35B-A3B's LoRA step 2 traced, and its summary (bench/profile_step.py)
+#   profile_experts  the same with the routed experts adapted too
 set -u
 Q=/tmp/queue
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
+AD=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj  # attention and DeltaNet
 MOE=bench/configs/qwen3_5-35b-a3b
 
 job() {  # name: one job, its output into $Q/name
@@ -33,8 +35,7 @@ job() {  # name: one job, its output into $Q/name
                timeout 200 python -m pytest -m gpu -p no:xdist -s tests/test_moe.py > "$d/gpu_tests_moe.log" 2>&1 ;;
         moe) MODEL=$MOE bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         moe_shared) MODEL=$MOE TARGETS=$ALL bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
-        moe_experts) MODEL=$MOE TARGETS=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj,experts \
-                     bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
+        moe_experts) MODEL=$MOE TARGETS=$AD,experts bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         qlora) EXTRA="--quantize nf4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         table) bash bench/qwen3_5_gpu.sh "$d" lora:65536
@@ -43,13 +44,15 @@ job() {  # name: one job, its output into $Q/name
         ab) # the 35B-A3B cut to 12 layers (an 80 GB GPU holds it): LoRA on attention and DeltaNet as the code is, then
             # with the routed experts adapted too, then as the code was before the tiled MoE's backward skipped frozen
             # weights (every weight a leaf again); 4 steps each, steps 2-4 timed
-            local cut=bench/configs/qwen3_5-35b-a3b-12l ad=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
+            local cut=bench/configs/qwen3_5-35b-a3b-12l ad=$AD
             MODEL=$cut TARGETS=$ad EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/after" lora:131072
             MODEL=$cut TARGETS=$ad,experts EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/experts" lora:131072
             sed -i 's/train = ctx.needs_input_grad\[4:\]/train = [True] * len(ws)/' million/moe.py
             MODEL=$cut TARGETS=$ad EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/before" lora:131072
             sed -i 's/train = \[True\] \* len(ws)/train = ctx.needs_input_grad[4:]/' million/moe.py ;;
         profile) MODEL=$MOE EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
+                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1 ;;
+        profile_experts) MODEL=$MOE TARGETS=$AD,experts EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
                  python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1 ;;
         *) echo "unknown job $1" > "$d/error.txt" ;;
     esac

@@ -85,7 +85,7 @@ def build(cfg, given: set, cp: int, world: int, device, log) -> Setup:
     path, mcfg = from_rank0(on_rank0(lambda: model_config(cfg), device))  # rank 0 reads it, says what is wrong
     if path is not None and not os.path.isdir(path):  # another node without rank 0's disk: its own copy
         path = model_folder(cfg.model)
-    if cfg.fit == "auto":  # the memory levers the command line left open, chosen to fit this node (plan.py)
+    if cfg.fit == "auto" or cfg.device == "cpu":  # levers chosen to fit this node (plan.py); a CPU's RAM checked
         from million import fit
         fit.plan_levers(cfg, mcfg, world, given, device, log)
     if cfg.param_dtype == "bfloat16" and not cfg.stochastic_rounding:

@@ -43,7 +43,7 @@ def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
 def plan_levers(cfg, mcfg, world: int, given: set, device, log):
     """--fit auto: set the levers the command line did not, to the plan predicted to fit this node (plan.py);
     where fp32 state cannot fit, bf16 state with stochastic rounding. Every rank computes the same plan: the
-    capacities are the smallest any rank sees."""
+    capacities are the smallest any rank sees. On a CPU, under --fit off too, the RAM is checked first."""
     lv = levers(cfg, mcfg.num_hidden_layers)
     fixed = {}  # what the user said wins
     if given & {"offload", "offload_layers"}:

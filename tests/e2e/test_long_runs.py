@@ -286,7 +286,8 @@ def test_a_disk_too_small_for_one_checkpoint_stops_before_step_one(small_disk):
 def test_a_cpu_run_past_its_ram_stops_in_one_line_before_the_model_is_built(tmp_path):
     """Qwen3-8B's full fine-tune on a CPU node given 24 GiB (it needs over 100): every rank stops before any
     weight is allocated, with rank 0's one line naming the need and what to change, instead of the OS killing a
-    rank without a word; nothing is left behind. With LoRA the line does not suggest LoRA."""
+    rank without a word; nothing is left behind. With LoRA the line does not suggest LoRA; with --fit off (the
+    levers as given) the RAM is checked all the same."""
     model = os.path.join(ROOT, "bench", "configs", "qwen3-8b")
     p = launch(2, tmp_path / "run", "--model", model, "--host_mem_gib", "24", timeout=120)
     lines = error_lines(p)
@@ -296,6 +297,10 @@ def test_a_cpu_run_past_its_ram_stops_in_one_line_before_the_model_is_built(tmp_
     p = launch(2, tmp_path / "run", "--model", model, "--host_mem_gib", "24", "--lora_rank", "8", timeout=120)
     lines = error_lines(p)
     assert len(lines) == 1 and "it has 24 GiB; a shorter --seq_len" in lines[0], lines
+    p = launch(2, tmp_path / "run", "--model", model, "--host_mem_gib", "24", "--fit", "off", timeout=120)
+    lines = error_lines(p)
+    assert len(lines) == 1 and lines[0].startswith("error: on the CPU this run needs about "), lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_export_is_whole_and_carries_the_run_tokenizer(tmp_path):

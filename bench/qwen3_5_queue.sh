@@ -51,9 +51,11 @@ job() {  # name: one job, its output into $Q/name
             MODEL=$cut TARGETS=$ad EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/before" lora:131072
             sed -i 's/train = \[True\] \* len(ws)/train = ctx.needs_input_grad[4:]/' million/moe.py ;;
         profile) MODEL=$MOE EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
-                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1 ;;
+                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1
+                 cp /tmp/q35-35b-a3b_lora_131072/profile/summary.json "$d/" ;;
         profile_experts) MODEL=$MOE TARGETS=$AD,experts EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
-                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1 ;;
+                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1
+                 cp /tmp/q35-35b-a3b_lora_131072/profile/summary.json "$d/" ;;
         *) echo "unknown job $1" > "$d/error.txt" ;;
     esac
     echo "$1 rc $? at $(date +%T)" >> $Q/done.txt

@@ -24,7 +24,7 @@ set -u
 Q=/tmp/queue
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
 AD=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj  # attention and DeltaNet
-MOE=bench/configs/qwen3_5-35b-a3b
+MOE=${MOE:-bench/configs/qwen3_5-35b-a3b}  # MOE=bench/configs/qwen3_5-35b-a3b-12l: its first 12 layers (an 80 GB GPU)
 
 job() {  # name: one job, its output into $Q/name
     local d=$Q/$1

@@ -77,14 +77,14 @@ def build(cfg, given: set, cp: int, world: int, device, log) -> Setup:
     """One device mesh, ring attention over its cp groups, the model sharded over every rank and loaded."""
     torch.manual_seed(cfg.seed)
     mesh = init_device_mesh(cfg.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))  # cp groups: consecutive ranks
-    schedule = parallel.zigzag_schedule
-    if cfg.packing != "concat":  # windows of documents: the ring computes only the blocks inside them
+    path, mcfg = from_rank0(on_rank0(lambda: model_config(cfg), device))  # rank 0 reads it, says what is wrong
+    schedule, packed = parallel.zigzag_schedule, cfg.packing != "concat"
+    if packed:  # windows of documents: the ring computes only the blocks inside them
         from million import documents
         schedule = functools.partial(documents.schedule, balanced=cfg.doc_attention == "balanced")
-    attn = parallel.RingAttention(mesh.get_group("cp"), kernels.Kernels(cfg.attn_backend), schedule)
-    path, mcfg = from_rank0(on_rank0(lambda: model_config(cfg), device))  # rank 0 reads it, says what is wrong
-    if path is not None and not os.path.isdir(path):  # another node without rank 0's disk: its own copy
-        path = model_folder(cfg.model)
+    ring_kernels = kernels.Kernels(cfg.attn_backend, mcfg.head_dim, packed)  # for this model's heads
+    attn = parallel.RingAttention(mesh.get_group("cp"), ring_kernels, schedule)
+    path = model_folder(cfg.model) if path and not os.path.isdir(path) else path  # a node without rank 0's disk
     if cfg.fit == "auto" or cfg.device == "cpu":  # levers chosen to fit this node (plan.py); a CPU's RAM checked
         from million import fit
         fit.plan_levers(cfg, mcfg, world, given, device, log)

@@ -11,9 +11,9 @@
 #   TARGETS=q_proj,in_proj_qkv bash bench/qwen3_5_gpu.sh OUT lora:131072           # other --lora_targets
 #                                                    # (with ,experts on the 35B-A3B: its routed experts adapted too)
 #
-# With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4. The levers
-# are the ones measured (--fit off: every block offloaded and keeping attention's output, unless EXTRA says
-# otherwise); plan.py's predictions for them are checked in tests/test_plan.py. Each run starts in a process group
+# With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4 (cuDNN on an
+# H100: kernels.cudnn_leads). The levers are the ones measured (--fit off: every block offloaded and keeping
+# attention's output, unless EXTRA says otherwise); plan.py's predictions for them are checked in tests/test_plan.py. Each run starts in a process group
 # of its own; a run cut by its timeout has that group ended, and nothing else.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); shift

@@ -35,7 +35,7 @@ def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
                          act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
-                         attn_backend=kernels.resolve_backend(cfg.attn_backend),
+                         attn_backend=kernels.resolve_backend(cfg.attn_backend, mcfg.head_dim, cfg.packing != "concat"),
                          stochastic_rounding=cfg.stochastic_rounding, lora_rank=cfg.lora_rank,
                          lora_targets=lora.parse_targets(cfg.lora_targets), quantize=cfg.quantize)
 

@@ -44,10 +44,19 @@ def fa4_unavailable():
     return None
 
 
-def resolve_backend(backend="auto"):
-    """The attention kernels that `backend` (one of ATTN_BACKENDS) means on this machine: "fa4", "cudnn" or
-    "flash", or "cpu" where CUDA is unavailable. "auto" takes fa4 where it imports and the GPU is sm90 or newer,
-    else cudnn (which falls back to flash where it refuses an input)."""
+def cudnn_leads(head_dim, packed) -> bool:
+    """Where cuDNN beats FA4 though FA4 runs: head_dim 256 (Qwen3.5) on an H100, whose backward there runs 416
+    TFLOP/s on cuDNN and 372 on FA4, 3-5% of a whole step; on an H200 FA4 leads (435 against 410). Measured on
+    whole sequences (bench/NOTES.md, "kernels.py"); packed documents keep FA4, whose blocks of pieces are one call
+    (documents.py) where cuDNN's are one call per piece."""
+    return bool(head_dim and head_dim > 128 and not packed and "H100" in torch.cuda.get_device_name())
+
+
+def resolve_backend(backend="auto", head_dim=None, packed=False):
+    """The attention kernels that `backend` (one of ATTN_BACKENDS) means on this machine for heads of head_dim,
+    packed documents or not: "fa4", "cudnn" or "flash", or "cpu" where CUDA is unavailable. "auto" takes fa4 where
+    it imports and the GPU is sm90 or newer, unless cuDNN leads there (cudnn_leads), else cudnn (which falls back
+    to flash where it refuses an input)."""
     if backend not in ATTN_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: want one of {', '.join(ATTN_BACKENDS)}")
     if backend == "fa4" and fa4_unavailable():
@@ -56,7 +65,7 @@ def resolve_backend(backend="auto"):
     if not torch.cuda.is_available():
         return "cpu"
     if backend == "auto":
-        return "cudnn" if fa4_unavailable() else "fa4"
+        return "cudnn" if fa4_unavailable() or cudnn_leads(head_dim, packed) else "fa4"
     return backend
 
 
@@ -141,11 +150,11 @@ def attn_bwd(dout, q, k, v, out, lse, causal, heads_per_call=None, backend="auto
 
 
 class Kernels:
-    """RingAttention's kernels for `backend` (one of ATTN_BACKENDS), resolved once here: self.backend says which
-    run ("fa4", "cudnn", "flash", or "cpu" without CUDA)."""
+    """RingAttention's kernels for `backend` (one of ATTN_BACKENDS), the model's head_dim and packed documents or
+    not, resolved once here: self.backend says which run ("fa4", "cudnn", "flash", or "cpu" without CUDA)."""
 
-    def __init__(self, backend="auto"):
-        self.backend = resolve_backend(backend)
+    def __init__(self, backend="auto", head_dim=None, packed=False):
+        self.backend, self.head_dim = resolve_backend(backend, head_dim, packed), head_dim
 
     def fwd(self, q, k, v, causal):
         return attn_fwd(q, k, v, causal, self.backend)
@@ -155,6 +164,7 @@ class Kernels:
 
 
 def describe(kernels: Kernels, asked: str) -> str:
-    """The attention kernels a run uses, and why FA4 is not among them where --attn_backend auto fell back."""
-    fell_back = asked == "auto" and kernels.backend == "cudnn"
-    return kernels.backend + (f" ({fa4_unavailable()})" if fell_back else "")
+    """The attention kernels a run uses, and why FA4 is not among them where --attn_backend auto chose otherwise."""
+    if asked != "auto" or kernels.backend != "cudnn":
+        return kernels.backend
+    return f"cudnn ({fa4_unavailable() or f'faster than fa4 at head_dim {kernels.head_dim} on this GPU'})"

@@ -246,6 +246,27 @@ def test_backend_choice_without_cuda(monkeypatch):
         kernels.fa4_unavailable.cache_clear()
 
 
+def test_auto_takes_cudnn_where_it_was_measured_faster(monkeypatch):
+    """auto takes FA4 where it runs, except head_dim 256 over whole sequences on an H100, where cuDNN's backward
+    measured faster (bench/NOTES.md, "kernels.py"); on an H200, at head_dim 128, or with packed documents (FA4's
+    one call per block of pieces), FA4. An explicit backend is never second-guessed. The run's line says why."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "fa4_unavailable", lambda: None)
+    for name, head_dim, packed, want in (("NVIDIA H100 80GB HBM3", 256, False, "cudnn"),
+                                         ("NVIDIA H100 80GB HBM3", 256, True, "fa4"),
+                                         ("NVIDIA H100 80GB HBM3", 128, False, "fa4"),
+                                         ("NVIDIA H100 80GB HBM3", None, False, "fa4"),
+                                         ("NVIDIA H200", 256, False, "fa4")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        k = kernels.Kernels("auto", head_dim, packed)
+        assert k.backend == want, (name, head_dim, packed)
+        assert kernels.Kernels("fa4", head_dim, packed).backend == "fa4"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    why = kernels.describe(kernels.Kernels("auto", 256), "auto")
+    assert why == "cudnn (faster than fa4 at head_dim 256 on this GPU)"
+    assert kernels.describe(kernels.Kernels("cudnn", 256), "cudnn") == "cudnn"
+
+
 def test_only_cudnn_refusals_fall_back_to_flash():
     """An out-of-memory error (a RuntimeError too) or a CUDA error must surface, not be retried on flash."""
     assert kernels._cudnn_refused(RuntimeError("cuDNN Frontend error: No execution plans support the graph."))

@@ -86,21 +86,41 @@ def experts_loop(x, weights, experts, w_gate, w_up, w_down, adapters=(), scaling
     return out
 
 
+class _Rows(torch.autograd.Function):
+    """out [R, H] = x[src // k]: a gather whose backward is a gather too, by back (src's inverse permutation),
+    then a sum over each row's k copies. index_select's own backward is a scatter-add with atomics, which in bf16
+    ran at a tenth of the bandwidth and was the largest kernel of the MoE blocks' backward (bench/NOTES.md,
+    "The MoE's row permutations")."""
+
+    @staticmethod
+    def forward(ctx, x, src, back, k):
+        ctx.save_for_backward(back)
+        ctx.k = k
+        return x.index_select(0, src // k)
+
+    @staticmethod
+    def backward(ctx, dout):
+        back, = ctx.saved_tensors
+        dx = dout.index_select(0, back)                                          # [R, H] in src's order
+        return dx.view(-1, ctx.k, dx.shape[-1]).sum(1) if ctx.k > 1 else dx, None, None, None
+
+
 def experts_grouped(x, weights, experts, w_gate, w_up, w_down, adapters=(), scaling=0.0):
     """experts_loop with the (token, slot) pairs sorted by expert once and one grouped GEMM per projection
     (torch._grouped_mm: bf16 on CUDA; its CPU fallback serves the tests), two thin ones per adapter. Plain
-    autograd: the backward reuses the saved order, offsets and gathered rows; the output is put back by a
-    permutation, with no atomic adds."""
+    autograd but for the two permutations of rows (_Rows): the backward reuses the saved order, offsets and
+    gathered rows, and neither direction adds atomically."""
     N, k = experts.shape
     flat = experts.reshape(-1)                                                   # [N*k]
     order = flat.argsort(stable=True)                                            # [N*k] pairs grouped by expert
+    unsort = order.argsort()                                                     # [N*k] its inverse
     counts = torch.zeros(w_gate.shape[0], dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0).to(torch.int32)                                      # [E] each expert's last row + 1
 
     def mm(a, w):  # rows a [N*k, in] (sorted), stacked w [E, out, in] -> [N*k, out]
         return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
 
-    xs = x.index_select(0, order // k)                                           # [N*k, H] sorted by expert
+    xs = _Rows.apply(x, order, unsort, k)                                        # [N*k, H] sorted by expert
     g, u = mm(xs, w_gate), mm(xs, w_up)                                          # [N*k, I] each
     if adapters:
         a_gu, b_gu, a_d, b_d = expert_adapters(adapters, w_gate.shape[0])
@@ -110,7 +130,7 @@ def experts_grouped(x, weights, experts, w_gate, w_up, w_down, adapters=(), scal
     ys = mm(h, w_down)                                                           # [N*k, H]
     if adapters:
         ys = ys + mm(mm(h, a_d) * scaling, b_d)
-    y = ys.index_select(0, order.argsort())                                      # [N*k, H] back in (token, slot) order
+    y = _Rows.apply(ys, unsort, order, 1)                                        # [N*k, H] back in (token, slot) order
     return (y.view(N, k, -1) * weights[..., None]).sum(1)                        # [N, H]
 
 

@@ -379,6 +379,25 @@ def test_grouped_gemm_equals_the_loop_on_cpu():
     assert grouped[3][3].abs().max() == 0  # the empty expert's weights get no gradient
 
 
+def test_the_row_permutations_backward_is_index_selects():
+    """moe._Rows (a gather whose backward gathers and sums each row's k copies) against index_select under
+    autograd, in float64, forward and backward: 37 tokens, top-3, 5 columns, each slot to a random expert; and
+    the output's permutation back (k = 1)."""
+    gen = torch.Generator().manual_seed(0)
+    N, k, H = 37, 3, 5
+    order = torch.randint(0, 7, (N * k,), generator=gen).argsort(stable=True)
+    unsort = order.argsort()
+    x = torch.randn(N, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(N * k, H, generator=gen, dtype=torch.float64)
+    for src, back, kk, rows in ((order, unsort, k, x), (unsort, order, 1, x.detach().repeat(k, 1).requires_grad_())):
+        want = rows.index_select(0, src // kk)
+        got = moe._Rows.apply(rows, src, back, kk)
+        assert torch.equal(got, want)
+        (dwant,) = torch.autograd.grad(want, rows, dout)
+        (dgot,) = torch.autograd.grad(got, rows, dout)
+        torch.testing.assert_close(dgot, dwant, rtol=1e-12, atol=1e-12)
+
+
 def expert_lora(E, H, I, r, dtype, device, seed=1):
     """Random adapters in PEFT's layout for stacked experts: gate_up's A [r E, H] and B [2 I, r E], down's
     A [r E, I] and B [H, r E]."""

@@ -16,6 +16,7 @@ SCRIPTS = {  # name: (arguments, with {tmp} for the test's folder; the JSON file
     "fa4_attn": (["--small", "--out", "{tmp}/out.json"], "out.json"),
     "doc_balance": (["attn", "--small", "--out", "{tmp}/out.json"], "out.json"),
     "deltanet_layer": (["--small", "--out", "{tmp}/out.json"], "out.json"),
+    "moe_rows": (["--small", "--out", "{tmp}/out.json"], "out.json"),
     "retrieval_cost": (["--config", "demo", "--out", "{tmp}/out.json", "--out_dir", "{tmp}/run"], "out.json"),
     "positions_cost": (["--model", "tiny", "--device", "cpu", "--seq_len", "512", "--work", "{tmp}/work", "--out",
                         "{tmp}/out.json"], "out.json"),

@@ -26,7 +26,7 @@ from train_steps import run_one  # noqa: E402
 
 MATMUL = r"gemm|nvjet|cutlass|xmma|cublas|sm90_.*tn|splitk"
 KINDS = [("attention", r"sdpa|fmha|flash|attention|cudnn"), ("optimizer", r"adam|multi_tensor"),
-         ("deltanet", r"chunk_|delta|conv1d|solve_tril|recompute_w_u|l2norm|cumsum"), ("matmul", MATMUL)]
+         ("deltanet", r"chunk_(?!cat)|delta|conv1d|solve_tril|recompute_w_u|l2norm"), ("matmul", MATMUL)]
 RANGES = {"chunked_nll": "loss", "moe": "experts"}  # record_function names in model.py, moe.py -> kind of kernels
 OUR_FILES = ("model.py", "moe.py", "lora.py", "loss.py", "parallel.py", "kernels.py", "documents.py", "optim.py",
              "train.py", "qwen3_5.py", "deltanet.py")

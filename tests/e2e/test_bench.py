@@ -59,7 +59,8 @@ def test_the_readme_s_reading_counts_hold(tmp_path):
 
 def test_the_profile_summary_sorts_kernels_by_kind(tmp_path):
     """bench/profile_step.py's trace summary on a trace written here: the experts' grouped GEMMs apart from their
-    routing (by the `moe` range a kernel was launched in), fla's kernels as deltanet, the rest by name."""
+    routing (by the `moe` range a kernel was launched in), fla's kernels as deltanet (not torch's chunk_cat),
+    the rest by name."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from profile_step import summarise_trace
 
@@ -69,10 +70,10 @@ def test_the_profile_summary_sorts_kernels_by_kind(tmp_path):
     events = [dict(ph="X", cat="user_annotation", name="moe", ts=100, dur=50)]
     launched = [("sm90_xmma_gemm_bf16_grouped", 110, 7), ("index_select_kernel", 120, 3),
                 ("sm90_xmma_gemm_bf16", 200, 5), ("chunk_gated_delta_rule_fwd_kernel_h", 210, 4),
-                ("flash_fwd_kernel", 220, 6), ("rms_norm_kernel", 230, 2)]
+                ("flash_fwd_kernel", 220, 6), ("rms_norm_kernel", 230, 2), ("chunk_cat_cuda_kernel", 240, 1)]
     for i, (name, ts, dur) in enumerate(launched):
         events += kernel(name, ts, dur, i)
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(dict(traceEvents=events)))
     got = {k: round(v * 1e6) for k, v in summarise_trace(str(path))["by_kind_s"].items()}
-    assert got == {"experts GEMM": 7, "experts rest": 3, "matmul": 5, "deltanet": 4, "attention": 6, "other": 2}
+    assert got == {"experts GEMM": 7, "experts rest": 3, "matmul": 5, "deltanet": 4, "attention": 6, "other": 3}

@@ -256,6 +256,10 @@ def check_config(cfg: TrainConfig, world: int):
          "or leave it 0")
     need(cfg.attn_backend in ("auto", "fa4", "cudnn", "flash"),
          f"--attn_backend {cfg.attn_backend}: use auto, fa4, cudnn or flash")
+    if cfg.attn_backend == "fa4":  # said here once, not by every rank as it builds the ring
+        from million import kernels
+        need(not kernels.fa4_unavailable(), f"--attn_backend fa4: {kernels.fa4_unavailable()}; install it with "
+             "`pip install flash-attn-4` (sm90+ GPUs) or use --attn_backend auto")
     need(cfg.deltanet_tile >= 0, f"--deltanet_tile {cfg.deltanet_tile}: tokens per piece, >= 0 (0 = off)")
     need(cfg.deltanet_kernel in ("auto", "fla", "torch"),
          f"--deltanet_kernel {cfg.deltanet_kernel}: use auto, fla or torch")

@@ -103,6 +103,7 @@ def test_resume_continues_exactly(tmp_path):
     (1, ["--lr", "fast"], "takes a float"),
     (1, ["--no_such_flag", "1"], "unknown flag"),
     (1, ["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+    (2, ["--attn_backend", "fa4"] if not torch.cuda.is_available() else ["--attn_backend", "fa5"], "--attn_backend"),
     (2, ["--model", "/nonexistent/qwen"], "no such folder"),
     (2, ["--data", "/nonexistent/books.txt"], "books.txt"),
     (2, ["--resume", "/nonexistent/ckpt"], "not a checkpoint folder"),
@@ -116,6 +117,8 @@ def test_bad_input_stops_every_rank_with_a_message(tmp_path, nproc, args, msg):
     assert p.returncode != 0
     assert re.search(msg, p.stdout + p.stderr), p.stderr[-3000:]
     assert 'train.py", line' not in p.stderr, p.stderr[-3000:]  # torchrun's own report aside, no traceback
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error")]
+    assert len(lines) == 1, lines  # said once, though every rank stops
 
 
 def test_model_that_is_not_full_attention_is_refused(tmp_path):

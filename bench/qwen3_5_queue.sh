@@ -26,6 +26,12 @@ ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_
 AD=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj  # attention and DeltaNet
 MOE=${MOE:-bench/configs/qwen3_5-35b-a3b}  # MOE=bench/configs/qwen3_5-35b-a3b-12l: its first 12 layers (an 80 GB GPU)
 
+profiled() {  # TARGETS OUT: the 35B-A3B's LoRA step 2 traced, and its summary (bench/profile_step.py)
+    MODEL=$MOE TARGETS=$1 EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$2" lora:131072 &&
+        python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$2/profile.txt" 2>&1
+    cp /tmp/q35-35b-a3b_lora_131072/profile/summary.json "$2/"
+}
+
 job() {  # name: one job, its output into $Q/name
     local d=$Q/$1
     mkdir -p "$d"
@@ -44,18 +50,14 @@ job() {  # name: one job, its output into $Q/name
         ab) # the 35B-A3B cut to 12 layers (an 80 GB GPU holds it): LoRA on attention and DeltaNet as the code is, then
             # with the routed experts adapted too, then as the code was before the tiled MoE's backward skipped frozen
             # weights (every weight a leaf again); 4 steps each, steps 2-4 timed
-            local cut=bench/configs/qwen3_5-35b-a3b-12l ad=$AD
-            MODEL=$cut TARGETS=$ad EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/after" lora:131072
-            MODEL=$cut TARGETS=$ad,experts EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/experts" lora:131072
+            local cut=bench/configs/qwen3_5-35b-a3b-12l
+            MODEL=$cut TARGETS=$AD EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/after" lora:131072
+            MODEL=$cut TARGETS=$AD,experts EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/experts" lora:131072
             sed -i 's/train = ctx.needs_input_grad\[4:\]/train = [True] * len(ws)/' million/moe.py
-            MODEL=$cut TARGETS=$ad EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/before" lora:131072
+            MODEL=$cut TARGETS=$AD EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d/before" lora:131072
             sed -i 's/train = \[True\] \* len(ws)/train = ctx.needs_input_grad[4:]/' million/moe.py ;;
-        profile) MODEL=$MOE EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
-                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1
-                 cp /tmp/q35-35b-a3b_lora_131072/profile/summary.json "$d/" ;;
-        profile_experts) MODEL=$MOE TARGETS=$AD,experts EXTRA="--profile_step 2" bash bench/qwen3_5_gpu.sh "$d" lora:131072 &&
-                 python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_131072/profile > "$d/profile.txt" 2>&1
-                 cp /tmp/q35-35b-a3b_lora_131072/profile/summary.json "$d/" ;;
+        profile) profiled $AD "$d" ;;
+        profile_experts) profiled $AD,experts "$d" ;;
         *) echo "unknown job $1" > "$d/error.txt" ;;
     esac
     echo "$1 rc $? at $(date +%T)" >> $Q/done.txt

@@ -395,16 +395,16 @@ def second_step(folder, name):
 
 
 def q35_runs():
-    """The measured steps: (constants, kind, tokens, levers, step s, peak GiB, pinned host GiB). The QLoRA and
+    """The measured steps: (kind, tokens, levers, step s, peak GiB, pinned host GiB). The QLoRA and
     524,288-token runs came a day after the fit, on the same code, and were predicted before they ran."""
     runs = []
-    for k, folder, kind, tokens, lv, name in (
-            (plan.FITTED, Q35_RUNS, "lora", 131072, plan.Levers(32, 32), ""),
-            (plan.FITTED, Q35_RUNS, "full", 131072, plan.Levers(32, 32), ""),
-            (plan.FITTED, Q35_RUNS, "lora", 131072, plan.Levers(32, 32, keep_mlp_layers=11), "_fit_auto"),
-            (plan.FITTED, Q35_LATER, "qlora", 131072, plan.Levers(32, 32), ""),
-            (plan.FITTED, Q35_LATER, "lora", 524288, plan.Levers(23, 32, deltanet_tile=16384), "")):
-        runs.append((k, kind, tokens, lv) + second_step(folder, f"q35_{kind}_{tokens}{name}"))
+    for folder, kind, tokens, lv, name in (
+            (Q35_RUNS, "lora", 131072, plan.Levers(32, 32), ""),
+            (Q35_RUNS, "full", 131072, plan.Levers(32, 32), ""),
+            (Q35_RUNS, "lora", 131072, plan.Levers(32, 32, keep_mlp_layers=11), "_fit_auto"),
+            (Q35_LATER, "qlora", 131072, plan.Levers(32, 32), ""),
+            (Q35_LATER, "lora", 524288, plan.Levers(23, 32, deltanet_tile=16384), "")):
+        runs.append((kind, tokens, lv) + second_step(folder, f"q35_{kind}_{tokens}{name}"))
     return runs
 
 
@@ -414,7 +414,8 @@ def test_qwen3_5_steps_are_predicted():
     exact (the offloaded blocks' inputs and the attention layers' kept outputs: DeltaNet blocks keep none): the fit
     itself, the full fine-tune (+0.1% and +6.4%), the plan --fit auto chose (11 blocks keep their MLP's gate and up
     outputs: -0.0%, +7.5%), QLoRA (+2.1%, +1.3%) and 524,288 tokens in pieces of 16,384 (-1.7%, +1.2%)."""
-    for k, kind, tokens, lv, step_s, peak, host in q35_runs():
+    k = plan.FITTED
+    for kind, tokens, lv, step_s, peak, host in q35_runs():
         s = q35_shape(tokens, **dict(lora={}, qlora=dict(quantize="nf4"),
                                      full=dict(lora_rank=0, param_bytes=2, stochastic_rounding=True))[kind])
         c = plan.predict(s, lv, k)

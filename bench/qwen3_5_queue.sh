@@ -20,6 +20,8 @@
 #               and as the tiled MoE's backward was before it skipped frozen weights
 #   profile     the 35B-A3B's LoRA step 2 traced, and its summary (bench/profile_step.py)
 #   profile_experts  the same with the routed experts adapted too
+#   attn_ab     the 9B's LoRA step at 131,072 tokens with --attn_backend fa4, then cudnn (head_dim 256)
+#   rows        bench/moe_rows.py: one MoE tile's row permutations and weighted sum, timed both ways
 set -u
 Q=/tmp/queue
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
@@ -58,6 +60,8 @@ job() {  # name: one job, its output into $Q/name
             sed -i 's/train = \[True\] \* len(ws)/train = ctx.needs_input_grad[4:]/' million/moe.py ;;
         profile) profiled $AD "$d" ;;
         profile_experts) profiled $AD,experts "$d" ;;
+        attn_ab) for b in fa4 cudnn; do EXTRA="--attn_backend $b" bash bench/qwen3_5_gpu.sh "$d/$b" lora:131072; done ;;
+        rows) timeout 200 python bench/moe_rows.py --out "$d/moe_rows.json" > "$d/moe_rows.log" 2>&1 ;;
         *) echo "unknown job $1" > "$d/error.txt" ;;
     esac
     echo "$1 rc $? at $(date +%T)" >> $Q/done.txt

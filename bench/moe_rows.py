@@ -3,8 +3,8 @@ tokens, top-8 of 256 experts, hidden 2048, 512 wide) forward and backward throug
 experts frozen (LoRA's case: only the rows' gradient) and trained. "before" is index_select under plain autograd
 (its backward a scatter-add with atomics), "after" the gather-backward of _Rows. Checks that both give the same
 output and gradients (bf16: relative error under 1e-2), then times each (median of CUDA-event timings). Then
-the same for a candidate not yet in moe.py: the weighted sum of each token's k expert outputs as one batched
-product instead of a product and a sum.
+the weighted sum of each token's k expert outputs both ways: a product and a sum (before), one batched product
+(moe.py since 2026-12-06).
 
     python bench/moe_rows.py --out bench/results/moe_rows.json    # a GPU
     python bench/moe_rows.py --small --out /tmp/moe_rows.json    # the code paths on the CPU, fp32, tiny
@@ -88,8 +88,8 @@ def main():
         rows[key] = dict(before_ms=runs["before_s"] * 1e3, after_ms=runs["after_s"] * 1e3, rel_err=errs)
         print(f"{key:<16} before {runs['before_s'] * 1e3:8.2f} ms  after {runs['after_s'] * 1e3:8.2f} ms  "
               f"(y, dx, dw_gate relative differences: {', '.join(f'{e:.1e}' for e in errs)})")
-    # a candidate not in moe.py yet: the experts' outputs weighted and summed by one batched product, which reads
-    # the [N*k, H] rows once, against the product then the sum (each materialising [N*k, H] again, both ways)
+    # the experts' outputs weighted and summed by one batched product (moe.py's), which reads the [N*k, H] rows
+    # once, against the product then the sum (each materialising [N*k, H] again, both ways)
     y, w = rand(N * 8, H, scale=1.0), torch.softmax(rand(N, 8, scale=1.0).float(), -1).to(dtype)
     combine = {}
     for name, fn in (("mul_sum", lambda y, w: (y.view(N, 8, -1) * w[..., None]).sum(1)),

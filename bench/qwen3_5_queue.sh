@@ -8,6 +8,7 @@
 #
 # JOB, run in the order given, each with its own timeout; its files land in /tmp/queue/JOB:
 #   tests       the rule test at the 9B's heads (fills Triton's cache), then the model-level fla check
+#   moe_tests   the MoE's GPU tests (the grouped GEMMs and the experts' adapters against the loop)
 #   moe         the 35B-A3B's LoRA step at 131,072 tokens (attention and DeltaNet adapted)
 #   moe_shared  the same with the MLP names too (the shared expert's adapters)
 #   moe_experts the same as moe with the routed experts adapted too (--lora_targets ...,experts)
@@ -40,7 +41,8 @@ job() {  # name: one job, its output into $Q/name
     case $1 in
         tests) timeout 500 python -m pytest -m gpu -p no:xdist -s tests/test_qwen3_5.py \
                    -k "kernel_matches_the_torch_rule and 8192 or model_matches" > "$d/gpu_tests.log" 2>&1
-               timeout 200 python -m pytest -m gpu -p no:xdist -s tests/test_moe.py > "$d/gpu_tests_moe.log" 2>&1 ;;
+               bash "$0" job moe_tests ;;
+        moe_tests) timeout 200 python -m pytest -m gpu -p no:xdist -s tests/test_moe.py > "$d/gpu_tests_moe.log" 2>&1 ;;
         moe) MODEL=$MOE bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         moe_shared) MODEL=$MOE TARGETS=$ALL bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         moe_experts) MODEL=$MOE TARGETS=$AD,experts bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;

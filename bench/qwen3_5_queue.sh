@@ -17,6 +17,7 @@
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens (TRL's table's other two lengths; 262k: 24 of 32 blocks
 #               offloaded, as measured before)
 #   moe_tile    the 35B-A3B's LoRA step with tiles of 65,536 rows (~2,048 rows an expert, not ~512)
+#   cut         the 35B-A3B's 12-layer cut (fits an 80 GB GPU), LoRA on attention and DeltaNet, 4 steps (2-4 timed)
 #   ab          on a 12-layer cut of the 35B-A3B (fits an 80 GB GPU): LoRA as the code is, with the experts adapted,
 #               and as the tiled MoE's backward was before it skipped frozen weights
 #   profile     the 35B-A3B's LoRA step 2 traced, and its summary (bench/profile_step.py)
@@ -51,6 +52,7 @@ job() {  # name: one job, its output into $Q/name
         table) bash bench/qwen3_5_gpu.sh "$d" lora:65536
                EXTRA="--offload_layers 24" bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
         moe_tile) MODEL=$MOE EXTRA="--mlp_tile 65536" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
+        cut) MODEL=bench/configs/qwen3_5-35b-a3b-12l TARGETS=$AD EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         ab) # the 35B-A3B cut to 12 layers (an 80 GB GPU holds it): LoRA on attention and DeltaNet as the code is, then
             # with the routed experts adapted too, then as the code was before the tiled MoE's backward skipped frozen
             # weights (every weight a leaf again); 4 steps each, steps 2-4 timed

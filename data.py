@@ -144,6 +144,11 @@ def parse_synthetic(source: str) -> int | None:
 DEFAULT_PG19_REPO = "emozilla/pg19"
 
 
+def known_text(source: str, repo: str = "") -> bool:
+    """Whether `source`'s rows are text without reading it: the synthetic corpus, or PG-19 from its default repo."""
+    return parse_synthetic(source) is not None or (source == "pg19" and repo in ("", DEFAULT_PG19_REPO))
+
+
 def iter_books(source: str, *, seed: int = 0, start_book: int = 0, repo: str = DEFAULT_PG19_REPO,
                revision: str = "main", split: str = "train",
                text_column: str = "text") -> Iterator[tuple[int, "str | Skipped"]]:

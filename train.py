@@ -78,7 +78,7 @@ def build(cfg, given: set, cp: int, world: int, device, log) -> Setup:
     torch.manual_seed(cfg.seed)
     mesh = init_device_mesh(cfg.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))  # cp groups: consecutive ranks
     path, mcfg = from_rank0(on_rank0(lambda: model_config(cfg), device))  # rank 0 reads it, says what is wrong
-    schedule, packed = parallel.zigzag_schedule, cfg.packing != "concat"
+    schedule, packed = parallel.zigzag_schedule, config.packs_documents(cfg)  # not for text (books, PG-19)
     if packed:  # windows of documents: the ring computes only the blocks inside them
         from million import documents
         schedule = functools.partial(documents.schedule, balanced=cfg.doc_attention == "balanced")
@@ -205,7 +205,7 @@ def make_batches(cfg, setup: Setup, source: str, split: str, grad_accum: int) ->
     kw = dict(seed=cfg.seed, revision=cfg.data_revision, split=split, text_column=cfg.data_column)
     if cfg.data_repo:
         kw["repo"] = cfg.data_repo
-    if cfg.packing != "concat":  # rows as documents (conversations, prompt/completion), unless all are text
+    if config.packs_documents(cfg):  # rows as documents (conversations, prompt/completion), unless all are text
         from million import packing
         batches = packing.make_batches(cfg, setup, source, kw, grad_accum)
         if batches is not None:

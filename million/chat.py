@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from data import (DEFAULT_PG19_REPO, ByteTokenizer, Document, HFTokenizer, Skipped, WindowLoader, files_of, iter_books,
-                  load_tokenizer, parse_synthetic, read_rows, tokenized)
+                  known_text, load_tokenizer, parse_synthetic, read_rows, tokenized)
 from million.packing import PACKINGS, PackedLoader
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -394,7 +394,7 @@ def default_packing(source: str, *, split: str = "train", text_column: str = "te
                     revision: str = "main") -> str:
     """'concat' for text, 'docs' for messages and prompt/completion rows: judged by the first file's parquet
     columns (its footer alone) or first JSON object; the synthetic corpus, PG-19 and .txt files are text."""
-    if parse_synthetic(source) is not None or (source == "pg19" and repo == DEFAULT_PG19_REPO):
+    if known_text(source, repo):
         return "concat"
     fs, files = files_of(source, split, repo, revision)
     if files[0].endswith(".parquet"):

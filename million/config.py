@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+import data
 from million import hf
 from million import lora
 from million import packing
@@ -220,6 +221,15 @@ def summary(cfg: TrainConfig) -> str:
 def context_parallel(cfg: TrainConfig, world: int) -> int:
     """The context-parallel degree: --cp, or the world size for --cp 0."""
     return cfg.cp or world
+
+
+def packs_documents(cfg: TrainConfig) -> bool:
+    """Whether this run may pack documents: --packing docs, or auto where --data or --eval_data is not known to be
+    text without reading it (packing.py then reads each source's first file). The ring's schedule and the attention
+    kernels are chosen by it, before any data is read."""
+    sources = [s for s in (cfg.data, cfg.eval_data) if s]
+    return cfg.packing == "docs" or (cfg.packing == "auto"
+                                     and not all(data.known_text(s, cfg.data_repo) for s in sources))
 
 
 def check_model(cfg: TrainConfig, mcfg):

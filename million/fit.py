@@ -31,11 +31,11 @@ def levers(cfg, layers: int) -> plan.Levers:
 
 def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
     """The run's shape as plan.py models it (this node's ranks: torchrun's LOCAL_WORLD_SIZE)."""
+    backend = kernels.resolve_backend(cfg.attn_backend, mcfg.head_dim, config.packs_documents(cfg))
     return plan.Shape.of(mcfg, cfg.seq_len, config.context_parallel(cfg, world), world,
                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
-                         act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk,
-                         attn_backend=kernels.resolve_backend(cfg.attn_backend, mcfg.head_dim, cfg.packing != "concat"),
+                         act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk, attn_backend=backend,
                          stochastic_rounding=cfg.stochastic_rounding, lora_rank=cfg.lora_rank,
                          lora_targets=lora.parse_targets(cfg.lora_targets), quantize=cfg.quantize)
 

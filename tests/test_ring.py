@@ -267,6 +267,30 @@ def test_auto_takes_cudnn_where_it_was_measured_faster(monkeypatch):
     assert kernels.describe(kernels.Kernels("cudnn", 256), "cudnn") == "cudnn"
 
 
+def test_a_run_on_text_packs_no_documents_and_takes_cudnn_on_an_h100(monkeypatch):
+    """--packing auto on data known to be text (the synthetic corpus, PG-19 from its repo) packs no documents, so a
+    Qwen3.5 run (head_dim 256) on an H100 takes cuDNN, in the run (train.py builds its Kernels with
+    config.packs_documents) and in the plan that chose its levers (fit.plan_shape). Data that must be read to be
+    judged (a file), docs, or an --eval_data of documents keeps FA4."""
+    import dataclasses
+
+    from million import config, fit
+    from model import Qwen3Config
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "fa4_unavailable", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    mcfg = dataclasses.replace(Qwen3Config.tiny(), head_dim=256)
+    for flags, packed in ((["--data", "synthetic"], False), (["--data", "pg19"], False),
+                          (["--data", "synthetic:50", "--packing", "concat"], False),
+                          (["--data", "pg19", "--data_repo", "me/books"], True),
+                          (["--data", "rows.jsonl"], True), (["--data", "synthetic", "--packing", "docs"], True),
+                          (["--data", "pg19", "--eval_data", "chats.parquet"], True)):
+        cfg, _ = config.parse_args([*flags, "--device", "cpu"])
+        assert config.packs_documents(cfg) == packed, flags
+        want = "fa4" if packed else "cudnn"
+        assert fit.plan_shape(cfg, mcfg, 1).attn_backend == want, flags
+
+
 def test_only_cudnn_refusals_fall_back_to_flash():
     """An out-of-memory error (a RuntimeError too) or a CUDA error must surface, not be retried on flash."""
     assert kernels._cudnn_refused(RuntimeError("cuDNN Frontend error: No execution plans support the graph."))

@@ -31,7 +31,7 @@ from million import deltanet  # noqa: E402
 CASES = dict(wy=[(1, 4096, 6, 32, 48), (1, 4096, 32, 128, 128)],  # (batch, length, heads, dk, dv)
              dqkwg=[(1, 296, 6, 32, 48), (2, 296, 6, 32, 48), (1, 4096, 6, 32, 48), (2, 4096, 6, 32, 48)])
 SHAPES = [(b, n, 6, dk, dv) for dk, dv in ((32, 48), (32, 64), (64, 48), (32, 32), (128, 128))
-          for b, n in ((1, 296), (2, 296), (1, 4096))]
+          for b, n in ((2, 296), (1, 296), (1, 4096))]  # the failing case first: rows come a minute apart
 
 
 def main():

@@ -315,8 +315,10 @@ def test_fla_kernel_matches_the_torch_rule(B, nk, H, L, dk, dv, state):
     operands: 1e-3 to 1e-2 expected). One known exception: on Hopper (fla 0.6, Triton 3.7.1), at dk 32 from a
     state, dq, dk and dg come out wrong (measured on an H100: 1.0, 13 and 39) while the output, the state and the
     other gradients agree (2e-3 to 4e-3); the same shape agrees within 7e-7 under Triton's interpreter. They come
-    from fla's chunk_bwd_kernel_dqkwg, which fla refuses on Hopper below Triton 3.7.1 for the same fault. No
-    Qwen3.5 has dk 32 (they have 128). That case is an expected failure, as long as only those three are off."""
+    from fla's chunk_bwd_kernel_dqkwg, which fla refuses on Hopper below Triton 3.7.1 for the same fault. It
+    follows dk 32, from zero too and at 4,096 tokens (`python bench/fla_warps.py --shapes`; at dv 64 fla's
+    autotuner faulted). No Qwen3.5 has dk 32 (they have 128). That case is an expected failure, as long as only
+    those three are off."""
     from million.deltanet import fla_unavailable
     if fla_unavailable():
         pytest.skip(f"fla: {fla_unavailable()}")

@@ -544,13 +544,18 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
         # at a length that fills the GPU: fla's autotuner keys on the head dims, not the length, so the configs
         # it picks here are the ones the run keeps
         gpu = torch.device("cuda", torch.cuda.current_device())
+        dk, dv = mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
         with gpu:  # build runs under train.py's meta device: whatever the kernels allocate goes to the GPU
             dtype = getattr(torch, cfg.dtype)
-            why = deltanet.disagreement(deltanet.fla_rule, mcfg.linear_num_key_heads, mcfg.linear_num_value_heads,
-                                        mcfg.linear_key_head_dim, mcfg.linear_value_head_dim, dtype, gpu,
-                                        length=16384) or deltanet.conv_disagreement(
-                functools.partial(causal_conv, kernel="fla"), mcfg.linear_conv_dim, mcfg.linear_conv_kernel_dim,
-                dtype, gpu, length=16384)
+            try:
+                why = deltanet.disagreement(deltanet.fla_rule, mcfg.linear_num_key_heads,
+                                            mcfg.linear_num_value_heads, dk, dv, dtype, gpu, length=16384) or \
+                    deltanet.conv_disagreement(functools.partial(causal_conv, kernel="fla"), mcfg.linear_conv_dim,
+                                               mcfg.linear_conv_kernel_dim, dtype, gpu, length=16384)
+            except torch.AcceleratorError as e:  # a fault leaves the GPU unusable: no falling back in this process
+                # (fla at dk 32, dv 64 on an H100: bench/NOTES.md, "Next on a GPU" item 6)
+                raise SystemExit(f"error: fla's DeltaNet kernels faulted at dk {dk}, dv {dv} on this GPU "
+                                 f"({str(e).splitlines()[0]}); pass --deltanet_kernel torch") from None
         if why and cfg.deltanet_kernel == "fla":
             raise SharedError(f"error: --deltanet_kernel fla: {why}; pass --deltanet_kernel torch")
         kernel, slow = ("torch", why) if why else (kernel, None)

@@ -427,6 +427,24 @@ def test_the_start_up_check_stops_a_wrong_conv():
     assert "in dw (tolerance 0.02)" in check(lambda x, w: causal_conv(x, w.detach()) + 0 * w.sum())
 
 
+def test_a_kernel_fault_in_the_start_up_check_stops_in_one_line(monkeypatch):
+    """A CUDA fault inside fla's kernels during the start-up check (seen at dk 32, dv 64 on an H100: an illegal
+    memory access in its autotuner) leaves the GPU unusable, so there is no falling back to the torch rule in the
+    same process: qwen3_5.build stops with one line that names the dims and the flag to pass."""
+    from million import config, deltanet, qwen3_5
+
+    def fault(*a, **k):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered\nSearch for it")
+    monkeypatch.setattr(qwen3_5, "resolve_kernel", lambda kernel: "fla")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(deltanet, "disagreement", fault)
+    cfg, _ = config.parse_args(["--config", "demo"])
+    with pytest.raises(SystemExit) as e:
+        qwen3_5.build(cfg, Qwen3_5Config.tiny(), None, None)
+    assert e.value.code == ("error: fla's DeltaNet kernels faulted at dk 12, dv 10 on this GPU (CUDA error: an "
+                            "illegal memory access was encountered); pass --deltanet_kernel torch"), e.value.code
+
+
 @pytest.mark.gpu
 def test_the_start_up_check_passes_fla_at_the_9b_head_dims():
     from million.deltanet import causal_conv, conv_disagreement, disagreement, fla_rule, fla_unavailable

@@ -281,7 +281,7 @@ def test_a_run_on_text_packs_no_documents_and_takes_cudnn_on_an_h100(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     mcfg = dataclasses.replace(Qwen3Config.tiny(), head_dim=256)
     for flags, packed in ((["--data", "synthetic"], False), (["--data", "pg19"], False),
-                          (["--data", "synthetic:50", "--packing", "concat"], False),
+                          (["--data", "synthetic:50", "--packing", "concat"], False), (["--data", "a.txt"], False),
                           (["--data", "pg19", "--data_repo", "me/books"], True),
                           (["--data", "rows.jsonl"], True), (["--data", "synthetic", "--packing", "docs"], True),
                           (["--data", "pg19", "--eval_data", "chats.parquet"], True)):

@@ -268,10 +268,10 @@ def test_auto_takes_cudnn_where_it_was_measured_faster(monkeypatch):
 
 
 def test_a_run_on_text_packs_no_documents_and_takes_cudnn_on_an_h100(monkeypatch):
-    """--packing auto on data known to be text (the synthetic corpus, PG-19 from its repo) packs no documents, so a
-    Qwen3.5 run (head_dim 256) on an H100 takes cuDNN, in the run (train.py builds its Kernels with
-    config.packs_documents) and in the plan that chose its levers (fit.plan_shape). Data that must be read to be
-    judged (a file), docs, or an --eval_data of documents keeps FA4."""
+    """--packing auto on data known to be text (the synthetic corpus, PG-19 from its repo, a .txt file) packs no
+    documents, so a Qwen3.5 run (head_dim 256) on an H100 takes cuDNN, in the run (train.py builds its Kernels
+    with config.packs_documents) and in the plan that chose its levers (fit.plan_shape). Data that must be read to
+    be judged (a .jsonl or .parquet file, another hub repo), docs, or an --eval_data of documents keeps FA4."""
     import dataclasses
 
     from million import config, fit

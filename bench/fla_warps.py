@@ -3,7 +3,8 @@ turn, fla's rule against the torch rule (deltanet.disagreement, tolerance 0: the
 
     python bench/fla_warps.py                   # the WY backward (wy_fast.prepare_wy_repr_bwd_kernel)
     python bench/fla_warps.py --kernel dqkwg    # dq, dk, dg (common.chunk_o.chunk_bwd_kernel_dqkwg)
-    python bench/fla_warps.py --shapes          # no config forced: fla's own choice over a grid of shapes
+    python bench/fla_warps.py --shapes          # no config forced: fla's own choice over a grid of shapes, each
+                                                # shape in a process of its own (a CUDA fault ends only its row)
 
 A GPU with fla-core 0.6 and Triton >= 3.7.1 (bench/gpu_wheels.sh). Each row recompiles the kernel, so a row takes
 a minute or more.
@@ -20,6 +21,7 @@ a minute or more.
 """
 import argparse
 import os
+import subprocess
 import sys
 
 import torch
@@ -39,14 +41,28 @@ def main():
     ap.add_argument("--kernel", default="wy", choices=sorted(CASES))
     ap.add_argument("--warps", default="2,4", help="comma-separated num_warps to force")
     ap.add_argument("--shapes", action="store_true", help="force nothing; rows over SHAPES (dk, dv, batch, length)")
+    ap.add_argument("--shape", help="one row of --shapes: batch,length,heads,dk,dv (what each child process runs)")
+    ap.add_argument("--row_timeout", type=int, default=300, help="seconds for one row of --shapes (compile included)")
     a = ap.parse_args()
     if deltanet.fla_unavailable():
         sys.exit(f"fla_warps: {deltanet.fla_unavailable()}")
-    if a.shapes:
+    if a.shape:
+        batch, length, heads, dk, dv = map(int, a.shape.split(","))
+        line = deltanet.disagreement(deltanet.fla_rule, heads, heads, dk, dv, tol=0, length=length, batch=batch)
+        print(f"dk {dk} dv {dv} batch {batch} length {length}: {line}", flush=True)
+        return
+    if a.shapes:  # each row in a child: an illegal memory access (seen at dk 32, dv 64 on an H100) ends only its row
         print(torch.cuda.get_device_name(), "Triton", triton.__version__, "fla's own configs", flush=True)
         for batch, length, heads, dk, dv in SHAPES:
-            line = deltanet.disagreement(deltanet.fla_rule, heads, heads, dk, dv, tol=0, length=length, batch=batch)
-            print(f"dk {dk} dv {dv} batch {batch} length {length}: {line}", flush=True)
+            cmd = [sys.executable, os.path.abspath(__file__), "--shape", f"{batch},{length},{heads},{dk},{dv}"]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.row_timeout)
+                lines = [s for s in r.stderr.splitlines() if s.strip()] or [f"exit {r.returncode}"]
+                why = [s for s in lines if "Error" in s] or lines  # a traceback's exception line, else the last
+                out = r.stdout.strip() or f"the process failed ({why[-1].strip()})"
+            except subprocess.TimeoutExpired:
+                out = f"not finished in {a.row_timeout} s"
+            print(out if out.startswith("dk ") else f"dk {dk} dv {dv} batch {batch} length {length}: {out}", flush=True)
         return
     from fla.ops.common import chunk_o
     from fla.ops.gated_delta_rule import wy_fast

@@ -145,10 +145,9 @@ DEFAULT_PG19_REPO = "emozilla/pg19"
 
 
 def known_text(source: str, repo: str = "") -> bool:
-    """Whether `source`'s rows are text without reading it: the synthetic corpus, PG-19 from its default repo, or a
-    .txt file (one book)."""
-    return parse_synthetic(source) is not None or source.endswith(".txt") or (
-        source == "pg19" and repo in ("", DEFAULT_PG19_REPO))
+    """Whether `source`'s rows are text without reading it: the synthetic corpus, or PG-19 from its default repo.
+    (A local file is read first, on rank 0, even a .txt: a missing one is then said once, for every rank.)"""
+    return parse_synthetic(source) is not None or (source == "pg19" and repo in ("", DEFAULT_PG19_REPO))
 
 
 def iter_books(source: str, *, seed: int = 0, start_book: int = 0, repo: str = DEFAULT_PG19_REPO,

@@ -268,10 +268,10 @@ def test_auto_takes_cudnn_where_it_was_measured_faster(monkeypatch):
 
 
 def test_a_run_on_text_packs_no_documents_and_takes_cudnn_on_an_h100(monkeypatch):
-    """--packing auto on data known to be text (the synthetic corpus, PG-19 from its repo, a .txt file) packs no
-    documents, so a Qwen3.5 run (head_dim 256) on an H100 takes cuDNN, in the run (train.py builds its Kernels
-    with config.packs_documents) and in the plan that chose its levers (fit.plan_shape). Data that must be read to
-    be judged (a .jsonl or .parquet file, another hub repo), docs, or an --eval_data of documents keeps FA4."""
+    """--packing auto on data known to be text (the synthetic corpus, PG-19 from its repo) packs no documents, so a
+    Qwen3.5 run (head_dim 256) on an H100 takes cuDNN, in the run (train.py builds its Kernels with
+    config.packs_documents) and in the plan that chose its levers (fit.plan_shape). Data that must be read to be
+    judged (a local file, even a .txt; another hub repo), docs, or an --eval_data of documents keeps FA4."""
     import dataclasses
 
     from million import config, fit
@@ -281,7 +281,7 @@ def test_a_run_on_text_packs_no_documents_and_takes_cudnn_on_an_h100(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     mcfg = dataclasses.replace(Qwen3Config.tiny(), head_dim=256)
     for flags, packed in ((["--data", "synthetic"], False), (["--data", "pg19"], False),
-                          (["--data", "synthetic:50", "--packing", "concat"], False), (["--data", "a.txt"], False),
+                          (["--data", "synthetic:50", "--packing", "concat"], False), (["--data", "a.txt"], True),
                           (["--data", "pg19", "--data_repo", "me/books"], True),
                           (["--data", "rows.jsonl"], True), (["--data", "synthetic", "--packing", "docs"], True),
                           (["--data", "pg19", "--eval_data", "chats.parquet"], True)):

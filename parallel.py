@@ -417,8 +417,11 @@ def agree(flags: list, device, group=None) -> list[float]:
     return t.tolist()
 
 
+ELSEWHERE = "failed on another rank (see its message)"  # all_ok's pointer: said by the failing rank, so not said
+
+
 def all_ok(error: str | None, what: str, device, exc=SystemExit):
     """A collective check that every rank succeeded at `what` (error None): if one did not, every rank raises
-    exc together, the failing one with its own message, the others pointing to it."""
+    exc together, the failing one with its own message, the others pointing to it (which stays unprinted)."""
     if agree([error is not None], device)[0]:
-        raise exc(error or f"error: {what} failed on another rank (see its message); stopping")
+        raise exc(error or f"error: {what} {ELSEWHERE}; stopping")

@@ -253,9 +253,10 @@ def error_message(e: BaseException, cfg, cp: int, rank: int, watchdog: Watchdog 
 
 
 def stop_on_error(e: BaseException, cfg, cp: int, rank: int, log: Log, watchdog: Watchdog | None):
-    """Say e in one line (a bug: with its traceback; a SharedError: on rank 0 only), tell the peers, and exit."""
+    """Say e in one line (a bug: with its traceback; a SharedError: on rank 0 only; a pointer to the rank that
+    failed: not at all), tell the peers, and exit."""
     msg = error_message(e, cfg, cp, rank, watchdog)
-    quiet = msg is not None and isinstance(e, SharedError) and rank != 0
+    quiet = msg is not None and (isinstance(e, SharedError) and rank != 0 or parallel.ELSEWHERE in msg)
     if watchdog is not None:  # the other ranks may be waiting for this one in a collective
         watchdog.failed(msg or f"rank {rank} failed: {type(e).__name__}: {e}", said=not quiet)
     if msg is None:

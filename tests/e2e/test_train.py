@@ -106,6 +106,7 @@ def test_resume_continues_exactly(tmp_path):
     (2, ["--attn_backend", "fa4"] if not torch.cuda.is_available() else ["--attn_backend", "fa5"], "--attn_backend"),
     (2, ["--model", "/nonexistent/qwen"], "no such folder"),
     (2, ["--data", "/nonexistent/books.txt"], "books.txt"),
+    (2, ["--data", "/nonexistent/books.txt", "--packing", "concat"], "books.txt"),  # read by the cp group's first rank
     (2, ["--resume", "/nonexistent/ckpt"], "not a checkpoint folder"),
     (1, ["--param_dtype", "float16"], "--param_dtype float16: use bfloat16 or float32"),
     (1, ["--profile_step", "4"], "--profile_step 4: 0 \\(off\\) or a step in 1..--max_steps"),

@@ -236,7 +236,7 @@ def check_model(cfg: TrainConfig, mcfg):
     """The flags that need the model's config (mcfg, as read): --lora_targets against its blocks. A local folder's
     are refused before start-up (check_config); a hub id's once it is downloaded, by rank 0 for every rank
     (train.model_config). Raises SystemExit with one line."""
-    why = cfg.lora_rank and lora.moe_targets_error(mcfg, lora.parse_targets(cfg.lora_targets), cfg.quantize)
+    why = cfg.lora_rank and lora.moe_targets_error(mcfg, lora.parse_targets(cfg.lora_targets))
     if why:
         raise SystemExit(f"error: {why}")
 

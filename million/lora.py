@@ -20,7 +20,8 @@ kaiming-uniform with a = sqrt(5), B zero, so that training starts from the base 
 adapter folder (`save`) or, merged, an HF checkpoint (W + alpha / r * B @ A). A mixture of experts: the MLP names
 adapt Qwen3.5-MoE's shared expert (what PEFT's MLP targets adapt in transformers' model; Qwen3-MoE has none), and
 the target `experts` adapts the routed experts' stacked weights as PEFT's target_parameters do (LoRAExperts: one A
-and one B per weight, shared out among the experts). Qwen3.5 (qwen3_5.py):
+and one B per weight, shared out among the experts); with NF4 the routed experts' weights are quantized too, and
+dequantized a layer at a time. Qwen3.5 (qwen3_5.py):
 its gated attention's projections, its Gated DeltaNet layers' (DELTANET) and the MLPs', by the names transformers
 gives them.
 """
@@ -217,9 +218,14 @@ def _projections(mlp, parts, dtype) -> list:
     return groups
 
 
+def is_nf4(w) -> bool:
+    """Is w torchao's NF4Tensor?"""
+    return hasattr(w, "get_original_weight")
+
+
 def dense(w, dtype):
     """A frozen weight as a plain tensor of dtype: an NF4Tensor dequantized (torchao), any other as it is."""
-    return w.get_original_weight().to(dtype) if hasattr(w, "get_original_weight") else w.to(dtype)
+    return w.get_original_weight().to(dtype) if is_nf4(w) else w.to(dtype)
 
 
 class LoRAMLP(nn.Module):
@@ -257,27 +263,47 @@ class LoRAExperts(Experts):
     A[e r:(e+1) r] (moe.expert_adapters) and gate_up's rows gate then up. moe_rows adds them through thin GEMMs
     (x A_e^T, then B_e), never a weight's delta. Named as PEFT names them, so that its adapter folder loads as it
     is: PEFT wraps one parameter at a time in name order, so down's adapters sit on the module (lora_A, lora_B)
-    and gate_up's on the wrapper inside it (base_layer.lora_A, base_layer.lora_B)."""
-    ADAPTERS = ("base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight", "lora_B.weight")
+    and gate_up's on the wrapper inside it (base_layer.lora_A, base_layer.lora_B).
 
-    def __init__(self, base: Experts, rank: int, alpha: float):
+    Rank 0: no adapters (the experts frozen, as they are without the target `experts`). nf4: the three weights are
+    buffers that `quantize` turns into NF4Tensors (each stored as [E x out, in]); `weights` dequantizes them once
+    per pass of the block (its forward, its recompute), so the grouped GEMMs take one layer's experts whole in
+    bf16 while that block runs, and NF4 the rest of the time (QLoRA)."""
+    ADAPTERS = ("base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight", "lora_B.weight")
+    WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, base: Experts, rank: int, alpha: float, nf4: bool = False):
         nn.Module.__init__(self)
-        self.gate_proj, self.up_proj, self.down_proj = base.gate_proj, base.up_proj, base.down_proj
+        for name in self.WEIGHTS:
+            w = getattr(base, name)
+            if nf4:  # buffers until quantized: the state dict still loads them by name
+                self.register_buffer(name, w.detach())
+            else:
+                setattr(self, name, w)
         (E, I, H), w = self.gate_proj.shape, self.gate_proj
-        self.rank, self.scaling = rank, alpha / rank
-        self.base_layer = nn.Module()
-        for m, i, o in ((self.base_layer, H, 2 * I), (self, I, H)):
-            m.lora_A = nn.Linear(i, rank * E, bias=False, device=w.device, dtype=w.dtype)
-            m.lora_B = nn.Linear(rank * E, o, bias=False, device=w.device, dtype=w.dtype)
-            init_adapter(m.lora_A.weight, m.lora_B.weight)
+        self.num_experts, self.rank, self.scaling = E, rank, alpha / rank if rank else 0.0
+        if rank:
+            self.base_layer = nn.Module()
+            for m, i, o in ((self.base_layer, H, 2 * I), (self, I, H)):
+                m.lora_A = nn.Linear(i, rank * E, bias=False, device=w.device, dtype=w.dtype)
+                m.lora_B = nn.Linear(rank * E, o, bias=False, device=w.device, dtype=w.dtype)
+                init_adapter(m.lora_A.weight, m.lora_B.weight)
+
+    def base(self, name: str) -> torch.Tensor:
+        """A stacked weight [E, out, in] as the GEMMs take it: an NF4 one dequantized."""
+        w = getattr(self, name)
+        return w.get_original_weight().view(self.num_experts, -1, w.shape[-1]) if is_nf4(w) else w
 
     def weights(self) -> tuple:
-        return (*super().weights(), *(self.get_parameter(n) for n in self.ADAPTERS))
+        return (*map(self.base, self.WEIGHTS), *(self.get_parameter(n) for n in self.ADAPTERS if self.rank))
 
     @torch.no_grad()
     def merged(self, sd: dict, name: str) -> dict:
-        """{its three weights' full names: W + alpha / r * B_e @ A_e in fp32} from the full state dict sd."""
-        w = {p: sd[f"{name}.{p}"].float() for p in ("gate_proj", "up_proj", "down_proj")}
+        """{its three weights' full names: W + alpha / r * B_e @ A_e in fp32} from the full state dict sd (on the
+        host; the NF4 weights, which it leaves out, dequantized)."""
+        w = {p: (sd[f"{name}.{p}"] if f"{name}.{p}" in sd else self.base(p).cpu()).float() for p in self.WEIGHTS}
+        if not self.rank:
+            return {f"{name}.{p}": t for p, t in w.items()}
         a_gu, b_gu, a_d, b_d = expert_adapters([sd[f"{name}.{n}"].float() for n in self.ADAPTERS], len(w["gate_proj"]))
         dg, du = (self.scaling * b_gu @ a_gu).chunk(2, 1)                           # [E, I, H] each
         w["gate_proj"], w["up_proj"] = w["gate_proj"] + dg, w["up_proj"] + du
@@ -325,15 +351,13 @@ class _GraphStart(torch.autograd.Function):
         return None, None
 
 
-def moe_targets_error(mcfg, targets, quantize: str = "") -> str | None:
-    """A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) takes no NF4. Its routed experts take adapters when asked
-    (EXPERTS); a dense model has none to adapt. The MLP names adapt Qwen3.5-MoE's shared expert, as PEFT's do on
+def moe_targets_error(mcfg, targets) -> str | None:
+    """A mixture of experts' (Qwen3-MoE, Qwen3.5-MoE) routed experts take adapters when asked (EXPERTS); a dense
+    model has none to adapt. The MLP names adapt Qwen3.5-MoE's shared expert, as PEFT's do on
     transformers' model; Qwen3-MoE has none, so there they are refused. One line saying what to pass, or None."""
     if not getattr(mcfg, "num_experts", 0):
         return ("--lora_targets experts: this model has no routed experts (a dense model); drop it"
                 if EXPERTS in targets else None)
-    if quantize:
-        return "--quantize nf4 is for dense models: a mixture of experts trains LoRA over its bf16 base; drop it"
     hybrid = bool(getattr(mcfg, "layer_types", None))  # Qwen3.5-MoE: DeltaNet layers beside attention
     allowed = ATTENTION + (DELTANET + MLP_PROJECTIONS if hybrid else ())
     bad = [t for t in targets if t not in allowed + (EXPERTS,)]
@@ -344,12 +368,12 @@ def moe_targets_error(mcfg, targets, quantize: str = "") -> str | None:
 
 
 def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None, quantize: str = ""):
-    """Freeze every parameter of model (a Qwen3 or Qwen3.5, on meta or CPU, before FSDP2) in base_dtype (default: as it is)
-    and give the projections named in targets (a tuple, or a comma list) adapters of `rank` in the model's dtype;
-    alpha 0 means 2 x rank (PEFT's default is 8). quantize "nf4": the blocks' projections become NF4 once
-    loaded (`quantize`). -> model."""
+    """Freeze every parameter of model (a Qwen3 or Qwen3.5, on meta or CPU, before FSDP2) in base_dtype (default: as
+    it is) and give the projections named in targets (a tuple, or a comma list) adapters of `rank` in the model's
+    dtype; alpha 0 means 2 x rank (PEFT's default is 8). quantize "nf4": the blocks' projections and the routed
+    experts' weights become NF4 once loaded (`quantize`). -> model."""
     targets = parse_targets(targets) if isinstance(targets, str) else tuple(targets)
-    why = moe_targets_error(model.cfg, targets, quantize)
+    why = moe_targets_error(model.cfg, targets)
     if why:
         raise ValueError(why)
     alpha, nf4 = alpha or 2.0 * rank, quantize == "nf4"
@@ -365,8 +389,9 @@ def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None
             block.mlp = LoRAMLP(block.mlp, rank, alpha, targets, nf4, base_dtype)
         elif isinstance(getattr(block.mlp, "shared_expert", None), MLP):  # Qwen3.5-MoE's (PEFT's MLP targets)
             block.mlp.shared_expert = LoRAMLP(block.mlp.shared_expert, rank, alpha, targets, nf4, base_dtype)
-        if rank and EXPERTS in targets and isinstance(getattr(block.mlp, "experts", None), Experts):
-            block.mlp.experts = LoRAExperts(block.mlp.experts, rank, alpha)
+        experts = getattr(block.mlp, "experts", None)
+        if isinstance(experts, Experts) and (nf4 or rank and EXPERTS in targets):
+            block.mlp.experts = LoRAExperts(experts, rank if EXPERTS in targets else 0, alpha, nf4)
     if rank and not any(m.rank for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))):
         raise ValueError(f"--lora_targets {','.join(targets)}: none is a projection of this model's blocks")
     if base_dtype is not None:
@@ -417,21 +442,25 @@ def nf4(w: torch.Tensor):
 
 @torch.no_grad()
 def quantize(model):
-    """After the base weights are loaded: each block projection's weight becomes an NF4Tensor (a buffer that
-    checkpoints leave out: the base is reloaded from the model on resume). -> model."""
+    """After the base weights are loaded: each block projection's weight, and each routed expert's stacked weight
+    ([E, out, in] as [E x out, in]), becomes an NF4Tensor (a buffer that checkpoints leave out: the base is
+    reloaded from the model on resume). -> model."""
     for name, m in model.named_modules():
-        if isinstance(m, LoRALinear) and "weight" in m._buffers:
+        names = [n for n in ("weight", *LoRAExperts.WEIGHTS) if n in m._buffers and not is_nf4(m._buffers[n])]
+        for n in names if isinstance(m, (LoRALinear, LoRAExperts)) else ():
+            w = m._buffers[n]
             try:
-                q = nf4(m._buffers["weight"])
+                q = nf4(w.reshape(-1, w.shape[-1]))
             except ValueError as e:  # every real Qwen3's and Qwen3.5's projections split into NF4's blocks
                 raise ValueError(f"--quantize nf4: {name}: {e}; this model takes LoRA without --quantize") from None
-            m.register_buffer("weight", q, persistent=False)
+            m.register_buffer(n, q, persistent=False)
     return model
 
 
 def base_weight(m: LoRALinear, sd: dict, name: str) -> torch.Tensor:
-    """A projection's frozen weight, from the full state dict or (NF4, which checkpoints leave out) dequantized."""
-    return sd[name] if name in sd else m.weight.get_original_weight()
+    """A projection's frozen weight, from the full state dict (on the host) or (NF4, which checkpoints leave out)
+    dequantized."""
+    return sd[name] if name in sd else m.weight.get_original_weight().cpu()
 
 
 def merged_state_dict(model, sd: dict, dtype) -> dict:
@@ -455,7 +484,7 @@ def adapter_config(model, base_model: str) -> dict:
     m = next(m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts)) and m.rank)
     targets = sorted({name.rpartition(".")[2] for name, x in model.named_modules()
                       if isinstance(x, LoRALinear) and x.rank})
-    experts = any(isinstance(x, LoRAExperts) for x in model.modules())
+    experts = any(isinstance(x, LoRAExperts) and x.rank for x in model.modules())
     return dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model, r=m.rank,
                 lora_alpha=m.scaling * m.rank, target_modules=targets,
                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None,
@@ -488,10 +517,11 @@ def save(folder: str, model, sd: dict, base_model: str, merge: bool = False, dty
 def describe(model) -> str:
     """One line for the log: the adapters, their size, the base."""
     lin = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    experts = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    experts = [m for m in model.modules() if isinstance(m, LoRAExperts) and m.rank]
     adapted = [m for m in lin if m.rank] + experts
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    nf4_base = [m.weight for m in lin if "weight" in m._buffers]
+    nf4_base = [w for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))
+                for w in m.buffers(recurse=False) if is_nf4(w)]
     total = sum(p.numel() for p in model.parameters()) + sum(w.numel() for w in nf4_base)
     base = "NF4" if nf4_base else str(next(p.dtype for p in model.parameters() if not p.requires_grad))[6:]
     where = " and ".join(([f"{len(adapted) - len(experts)} projections"] if len(adapted) > len(experts) else [])

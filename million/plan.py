@@ -30,8 +30,8 @@ Qwen3-MoE (and Qwen3.5-MoE, whose sparse blocks add a shared expert every token 
 was fitted to dense runs: for a MoE the prediction assumes the grouped GEMMs run at the dense GEMM rate and the
 routing costs nothing beyond the per-token term, neither measured yet.
 
-LoRA (lora.py): the frozen base costs act_bytes a parameter (sharded), or NF4_BYTES for the blocks' projections
-with --quantize nf4 (held whole on every rank), and has no gradient, no AdamW state and no weight-gradient GEMM;
+LoRA (lora.py): the frozen base costs act_bytes a parameter (sharded), or NF4_BYTES for the blocks' projections and
+experts with --quantize nf4 (held whole on every rank), and has no gradient, no AdamW state and no weight-gradient GEMM;
 only the adapters train. The adapters are timed by the memory they move, not by their FLOPs (rank-16 GEMMs over
 [T, width] activations are bandwidth-bound), and NF4 by its dequantizations: both from measured runs
 (bench/NOTES.md, "The LoRA step, measured against the plan").
@@ -257,10 +257,16 @@ class Shape:
         return self.lora_params if self.lora_rank else self.params
 
     @property
-    def nf4_params(self):  # with --quantize nf4: the blocks' projections (not the experts, embedding or head)
+    def routed_params(self):  # every sparse block's routed experts
+        return self.sparse_layers * self.experts * 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def nf4_params(self):  # with --quantize nf4: the blocks' projections, routed and shared experts (not the
+        # routers, embedding or head)
         dense = self.layers - self.sparse_layers
         return (self.attn_layers * self.attention_matmul_params + self.deltanet_layers * self.deltanet_matmul_params
-                + dense * 3 * self.hidden * self.intermediate) if self.quantize else 0
+                + dense * 3 * self.hidden * self.intermediate + self.routed_params
+                + self.sparse_layers * 3 * self.hidden * self.shared_intermediate) if self.quantize else 0
 
 
 def projection_widths(s: Shape) -> dict:
@@ -402,9 +408,11 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
 
 
 def frozen_bytes(s: Shape) -> float:
-    """A LoRA run's frozen base per rank: act_bytes a parameter, sharded; with NF4 the blocks' projections at
-    NF4_BYTES each, whole on every rank, and one of them dequantized while it runs."""
-    widest = max([s.hidden * (s.heads * s.head_dim * (2 if s.dn[0] else 1)), s.hidden * s.intermediate]
+    """A LoRA run's frozen base per rank: act_bytes a parameter, sharded; with NF4 the blocks' projections and
+    experts at NF4_BYTES each, whole on every rank, and one of them dequantized while it runs (a MoE block's routed
+    experts: all three stacked weights of the block)."""
+    widest = max([s.hidden * (s.heads * s.head_dim * (2 if s.dn[0] else 1)), s.hidden * s.intermediate,
+                  s.routed_params // max(s.sparse_layers, 1)]
                  + [i * o for i, o in deltanet_projections(s).values()]) if s.quantize else 0
     return ((s.params - s.nf4_params) * s.act_bytes / s.world + s.nf4_params * NF4_BYTES
             + widest * s.act_bytes)
@@ -424,15 +432,15 @@ def adapter_seconds(s: Shape, lv: Levers | None = None, k: Constants = FITTED) -
     """LoRA's adapters and NF4's dequantizations in a step, beyond what gemm_flops times: each adapter reads its
     projection's input and output (and their gradients) a few times over in skinny GEMMs bound by memory, a time
     proportional to tokens x (in + out), of which the recompute's forward is ADAPTER_RECOMPUTE (gate's and up's
-    not run in the blocks that keep their outputs); each NF4 weight is dequantized at each pass. 0 for a full
-    fine-tune."""
+    not run in the blocks that keep their outputs); each NF4 weight is dequantized at each pass (the routed
+    experts' at two of the three: the backward takes the recompute's). 0 for a full fine-tune."""
     if not s.lora_rank:
         return 0.0
     widths = s.lora_active_params / s.lora_rank  # in + out, summed over the adapted projections a token meets
     kept = sum(projection_widths(s)[t] for t in ("gate_proj", "up_proj") if t in s.lora_targets) * (
         lv.keep_mlp_layers if lv else 0)
     return (k.adapter_ps_per_token_width * 1e-12 * s.tokens * (widths - ADAPTER_RECOMPUTE * kept)
-            + k.nf4_s_per_gparam * s.nf4_params / 1e9)
+            + k.nf4_s_per_gparam * (s.nf4_params - (s.routed_params / 3 if s.quantize else 0)) / 1e9)
 
 
 def attn_rate(s: Shape, k: Constants = FITTED) -> float:
@@ -548,8 +556,7 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         hints.append(f"--param_dtype bfloat16 --stochastic_rounding true (state {4 * s.param_bytes} -> 8 bytes per "
                      "parameter, updates kept on average)")
     if gpu_short and not s.lora_rank:  # LoRA or QLoRA, whichever fits the longer sequence (LoRA on a tie)
-        fit = [(s.seq_len if fits_with(x) else longest(x), q) for q in ("", "nf4")[:1 if s.sparse_layers else 2]
-               for x in [s.lora_shape(quantize=q)]]  # (MoE: no QLoRA)
+        fit = [(s.seq_len if fits_with(x) else longest(x), q) for q in ("", "nf4") for x in [s.lora_shape(quantize=q)]]
         length, q = max(fit, key=lambda f: (f[0] or 0, not f[1]))
         if length:
             hints.append(f"--lora_rank {LORA_HINT_RANK}" + (" --quantize nf4" if q else "")
@@ -557,8 +564,8 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
                             if s.sparse_layers and not s.dn[0] else "")  # Qwen3-MoE: no MLP targets
                          + (f" --seq_len {length}" if length != s.seq_len else "")
                          + " (LoRA: the model frozen, only adapters trained)")
-    elif gpu_short and not s.quantize and not s.sparse_layers and fits_with(replace(s, quantize="nf4")):
-        hints.append("--quantize nf4 (QLoRA: the frozen projections in 4 bits)")
+    elif gpu_short and not s.quantize and fits_with(replace(s, quantize="nf4")):
+        hints.append("--quantize nf4 (QLoRA: the frozen projections and experts in 4 bits)")
     raise NoFit(f"no set of levers fits: the nearest (offload_layers {nearest.offload_layers}, keep_attention_layers "
                 f"{nearest.keep_attention_layers}) needs {c.gpu_gib:.1f} GiB of GPU memory per rank (plan limit "
                 f"{gpu_cap / 2**30:.1f} of {gpu_gib:.1f}) and {c.host_gib * s.ranks_per_node:.0f} GiB of host memory "

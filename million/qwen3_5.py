@@ -511,7 +511,7 @@ def check_flags(cfg, model_type: str = "qwen3_5", cp: int = 1, mcfg: Qwen3_5Conf
     if cfg.lora_rank:
         from million import lora
         kind = Qwen3_5MoeConfig() if "moe" in model_type else Qwen3_5Config()
-        why = lora.moe_targets_error(kind, lora.parse_targets(cfg.lora_targets), cfg.quantize)
+        why = lora.moe_targets_error(kind, lora.parse_targets(cfg.lora_targets))
         if why:
             return why
     try:

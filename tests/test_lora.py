@@ -410,8 +410,6 @@ def test_moe_takes_attention_and_expert_adapters(tmp_path, tile):
                                          r"--lora_targets q_proj,k_proj,v_proj,o_proj \(attention\), with ,experts "
                                          r"to adapt the experts too$"):
         lora.apply(random_moe(moe_cfg()), RANK, ALPHA)
-    with pytest.raises(ValueError, match="^--quantize nf4 is for dense models"):
-        lora.apply(random_moe(moe_cfg()), RANK, ALPHA, lora.ATTENTION, quantize="nf4")
     with pytest.raises(ValueError, match=r"^--lora_targets experts: this model has no routed experts \(a dense "
                                          r"model\); drop it$"):
         lora.apply(random_model(tiny()), RANK, ALPHA, lora.ATTENTION + (lora.EXPERTS,))
@@ -438,6 +436,47 @@ def test_moe_takes_attention_and_expert_adapters(tmp_path, tile):
     ref = {k.replace("base_model.model.model.", "").replace(".default", ""): p.grad
            for k, p in pm.named_parameters() if p.requires_grad}
     assert_matches((s / n).detach(), {k: p.grad for k, p in m.named_parameters()}, out.loss.detach(), ref)
+
+
+@pytest.mark.parametrize("targets", [lora.ATTENTION + (lora.EXPERTS,), ("q_proj", "v_proj")], ids=["experts", "qv"])
+def test_qlora_on_a_mixture_of_experts_is_lora_on_the_dequantized_model(targets):
+    """QLoRA on Qwen3-MoE: the routed experts' stacked weights become NF4Tensors beside the projections', adapted
+    (LoRAExperts' adapters) or not; none is left in the state dict. The loss and every adapter's gradient are those
+    of the float model whose weights are the dequantized ones (1e-5, fp32), whole and with the MoE in tiles of 7 rows
+    under recompute; the merged export holds the dequantized weights plus the adapters' deltas."""
+    from test_moe import moe_cfg, random_moe, shifted
+    cfg = moe_cfg(hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)  # every weight a multiple of NF4's 1,024
+    q = lora.quantize(adapted(random_moe(cfg), targets, quantize="nf4"))
+    d = adapted(random_moe(cfg), targets)  # the same base and adapters, in float32
+    nf4 = {f"{name}.{n}": w for name, m in q.named_modules() for n, w in m.named_buffers(recurse=False)
+           if lora.is_nf4(w)}
+    experts = [n for n in nf4 if ".mlp.experts." in n]
+    # the 2 sparse layers' 3 stacked weights, the 3 layers' 4 attention projections, the dense layer's MLP
+    assert len(experts) == 2 * 3 and len(nf4) == 2 * 3 + 3 * 4 + 3
+    assert not set(nf4) & set(q.state_dict()) and "NF4" in lora.describe(q)
+    with torch.no_grad():
+        for n, w in nf4.items():
+            module, _, name = n.rpartition(".")
+            if n in experts:  # [E, out, in] from the NF4Tensor's [E x out, in]: each expert's own, within NF4's error
+                dense = q.get_submodule(module).base(name)
+                assert all(rel(a, b) < 0.12 for a, b in zip(dense, d.get_parameter(n))), rel(dense, d.get_parameter(n))
+                d.get_parameter(n).copy_(dense)
+            else:
+                d.get_parameter(n).copy_(w.get_original_weight())
+    ids = torch.randint(0, 97, (1, 23), generator=torch.Generator().manual_seed(1))
+    for tile in (0, 7):
+        results = []
+        for m in (q, d):
+            m.set_levers(recompute=bool(tile), mlp_tile=tile)
+            m.zero_grad(set_to_none=True)
+            s, n = m(ids, labels=shifted(ids), loss_chunk=9)
+            (s / n).backward()
+            results.append(((s / n).detach(), {k: p.grad for k, p in m.named_parameters()}))
+        (loss, grads), (ref_loss, ref_grads) = results
+        assert_matches(loss, grads, ref_loss, {k: g for k, g in ref_grads.items() if g is not None})
+    merged, ref = (lora.merged_state_dict(m, m.state_dict(), torch.float32) for m in (q, d))
+    assert merged.keys() == ref.keys() and all(torch.equal(merged[k], ref[k]) for k in ref)
 
 
 def test_flags_are_checked_before_any_work(tmp_path):

@@ -488,6 +488,44 @@ def test_grouped_gemm_on_cuda_in_bf16():
     assert calls and counts.sum().item() == 1001 * 2 and y.shape == (1, 1001, 256)
 
 
+@pytest.mark.gpu
+def test_nf4_experts_on_cuda_run_the_grouped_gemm_on_their_dequantized_weights():
+    """QLoRA's routed experts on CUDA (lora.LoRAExperts with nf4, rank 16): the block in bf16 gives the output, dx
+    and the adapters' gradients of the same block whose experts hold the dequantized weights as plain bf16
+    tensors, bit for bit, whole and in tiles of 300 rows, through the grouped GEMM."""
+    import copy
+    pytest.importorskip("torchao")
+    from million import lora
+    cfg = moe_cfg(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    base = moe.SparseMoE(cfg).requires_grad_(False)
+    q, d = copy.deepcopy(base), copy.deepcopy(base)
+    q.experts, d.experts = lora.LoRAExperts(q.experts, 16, 32.0, nf4=True), lora.LoRAExperts(d.experts, 16, 32.0)
+    with torch.no_grad():
+        for n, p in q.experts.named_parameters():  # B random too, so that every adapter gradient is non-zero
+            p.copy_(torch.randn_like(p) * 0.05)
+            d.experts.get_parameter(n).copy_(p)
+    q, d = lora.quantize(q.to("cuda", torch.bfloat16)), d.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for n in lora.LoRAExperts.WEIGHTS:
+            assert lora.is_nf4(getattr(q.experts, n))
+            getattr(d.experts, n).copy_(q.experts.base(n))
+    gen = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(1, 1001, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    assert moe.grouped_gemm_ok(x[0], q.experts.base("gate_proj"), q.experts.weights()[3:])
+    for tile in (0, 300):
+        out = []
+        for m in (q, d):
+            m.tile = tile
+            xl = x.clone().requires_grad_()
+            y = m(xl)
+            y.backward(dy)
+            out.append([y, xl.grad, *(m.experts.get_parameter(n).grad for n in lora.LoRAExperts.ADAPTERS)])
+            m.zero_grad(set_to_none=True)
+        assert len(out[0]) == 2 + 4 and all(torch.equal(a, b) for a, b in zip(*out)), tile
+
+
 # --- plan.py ---------------------------------------------------------------------------------------------
 
 def test_plan_counts_parameters_and_the_matmuls_that_run():

@@ -205,7 +205,8 @@ def test_the_cost_model_keeps_attention_where_it_buys_time():
 
 def test_lora_counts_are_the_models():
     """The adapters plan.py counts are those lora.apply makes (Qwen3-8B, all seven projections at rank 16: the
-    43,646,976 PEFT reports for it; q and v alone), and the NF4 share is every block projection."""
+    43,646,976 PEFT reports for it; q and v alone), and the NF4 share is every block projection (and, in a MoE,
+    every expert)."""
     from million import lora
     mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3-8b"))
     for targets in (lora.TARGETS, ("q_proj", "v_proj")):
@@ -216,6 +217,13 @@ def test_lora_counts_are_the_models():
         assert s.nf4_params == sum(m.weight.numel() for m in m.modules() if isinstance(m, lora.LoRALinear))
         assert s.params == sum(p.numel() for p in m.parameters()) - s.lora_params
     assert plan.Shape.of(mcfg, 131072, 1, 1, 1, lora_rank=16, lora_targets=lora.TARGETS).lora_params == 43_646_976
+    for name in ("qwen3-30b-a3b", "qwen3_5-35b-a3b"):  # QLoRA: the routed experts (and shared ones) in NF4 too
+        mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", name))
+        s = plan.Shape.of(mcfg, 131072, 1, 1, 1).lora_shape(16, "nf4")
+        with torch.device("meta"):
+            m = lora.apply(hf.model_class(mcfg)(mcfg), 16, targets=s.lora_targets, quantize="nf4")
+        nf4 = [b for x in m.modules() if isinstance(x, (lora.LoRALinear, lora.LoRAExperts)) for b in x.buffers(False)]
+        assert s.nf4_params == sum(b.numel() for b in nf4) and s.routed_params > 0.9 * s.nf4_params
 
 
 def test_nf4_bytes_are_torchaos():

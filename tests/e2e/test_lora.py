@@ -1,5 +1,5 @@
-"""train.py with QLoRA (--lora_rank 4 --quantize nf4) on 2 ranks, killed and resumed: it continues exactly, and its
-exports load in PEFT and transformers. lora.py against PEFT in-process and in gloo worlds: tests/test_lora.py.
+"""train.py with QLoRA (--lora_rank 4 --quantize nf4) on 2 ranks, Qwen3 and Qwen3.5-MoE, killed and resumed: it
+continues exactly, and its exports load in PEFT and transformers. lora.py against PEFT in-process and in gloo worlds: tests/test_lora.py.
 
     python -m pytest tests/e2e/test_lora.py -q
 """
@@ -50,6 +50,43 @@ def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
     names = list(Qwen3(cfg).state_dict())
     sd = load_or_init_state_dict(None, cfg, names, torch.float32, 0, "cpu")
     sd = {n: lora.nf4(t).get_original_weight() if n.endswith("proj.weight") else t for n, t in sd.items()}
+    save_hf(str(tmp_path / "base"), cfg, sd)
+    ids = torch.randint(0, 257, (1, 50), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+        want = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_qlora_on_qwen3_5_moe_killed_and_resumed_exports_what_peft_computes(tmp_path):
+    """QLoRA on a tiny Qwen3.5-MoE (the routed experts' stacked weights in NF4 too, and adapted), on 2 ranks at cp 2
+    with the experts tiled: killed mid-step and relaunched, it gives the uninterrupted run's steps bit for bit. The
+    uninterrupted run's PEFT folder over the base as NF4 gives it back (PEFT's target_parameters on the experts)
+    and the resumed run's merged export give the same logits."""
+    import peft
+    import transformers
+    from million import qwen3_5
+    model = tmp_path / "qwen3_5_moe"
+    transformers.Qwen3_5MoeTextConfig(  # every projection and stacked expert weight a multiple of NF4's 1,024 values
+        vocab_size=257, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=16, linear_key_head_dim=16,
+        linear_value_head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=4096,
+        initializer_range=0.05).save_pretrained(model)
+    targets = ",".join(lora.TARGETS + (lora.EXPERTS,))
+    killed_and_resumed(tmp_path, ["--model", str(model), "--lora_targets", targets, "--mlp_tile", "50"],
+                       ["--save_dir", str(tmp_path / "adapter")])
+    # the base the runs drew (seed 0), as NF4 gives it back
+    cfg = qwen3_5.read_config(str(model))
+    m = lora.apply(qwen3_5.Qwen3_5Moe(cfg), 4, targets=targets, quantize="nf4")
+    quantized = {f"{name}.{n}" for name, x in m.named_modules() if isinstance(x, (lora.LoRALinear, lora.LoRAExperts))
+                 for n in x._buffers}
+    assert sum(".mlp.experts." in n for n in quantized) == 4 * 3
+    names = [n for n in m.state_dict() if not lora.is_adapter(n)]
+    sd = load_or_init_state_dict(str(model), cfg, names, torch.float32, 0, "cpu")
+    sd = {n: lora.nf4(t.reshape(-1, t.shape[-1])).get_original_weight().view(t.shape) if n in quantized else t
+          for n, t in sd.items()}
     save_hf(str(tmp_path / "base"), cfg, sd)
     ids = torch.randint(0, 257, (1, 50), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -272,12 +272,12 @@ class LoRAExperts(Experts):
     ADAPTERS = ("base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight", "lora_B.weight")
     WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, base: Experts, rank: int, alpha: float, nf4: bool = False):
+    def __init__(self, base: Experts, rank: int, alpha: float, nf4: bool = False, base_dtype=None):
         nn.Module.__init__(self)
         for name in self.WEIGHTS:
             w = getattr(base, name)
-            if nf4:  # buffers until quantized: the state dict still loads them by name
-                self.register_buffer(name, w.detach())
+            if nf4:  # buffers until quantized, in the base's dtype: the state dict still loads them by name
+                self.register_buffer(name, w.detach().to(base_dtype or w.dtype))
             else:
                 setattr(self, name, w)
         (E, I, H), w = self.gate_proj.shape, self.gate_proj
@@ -391,7 +391,7 @@ def apply(model, rank: int, alpha: float = 0.0, targets=TARGETS, base_dtype=None
             block.mlp.shared_expert = LoRAMLP(block.mlp.shared_expert, rank, alpha, targets, nf4, base_dtype)
         experts = getattr(block.mlp, "experts", None)
         if isinstance(experts, Experts) and (nf4 or rank and EXPERTS in targets):
-            block.mlp.experts = LoRAExperts(experts, rank if EXPERTS in targets else 0, alpha, nf4)
+            block.mlp.experts = LoRAExperts(experts, rank if EXPERTS in targets else 0, alpha, nf4, base_dtype)
     if rank and not any(m.rank for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))):
         raise ValueError(f"--lora_targets {','.join(targets)}: none is a projection of this model's blocks")
     if base_dtype is not None:

@@ -477,6 +477,11 @@ def test_qlora_on_a_mixture_of_experts_is_lora_on_the_dequantized_model(targets)
         assert_matches(loss, grads, ref_loss, {k: g for k, g in ref_grads.items() if g is not None})
     merged, ref = (lora.merged_state_dict(m, m.state_dict(), torch.float32) for m in (q, d))
     assert merged.keys() == ref.keys() and all(torch.equal(merged[k], ref[k]) for k in ref)
+    # train.py's: a float32 model, the frozen base in bf16 (--dtype) until quantized, the adapters in float32
+    m = lora.apply(random_moe(cfg), RANK, ALPHA, targets, base_dtype=torch.bfloat16, quantize="nf4")
+    frozen = [(n, b.dtype) for n, b in m.named_buffers() if ".rotary" not in n] + [
+        (n, p.dtype) for n, p in m.named_parameters() if not lora.is_adapter(n)]
+    assert len(frozen) > len(nf4) and {d for _, d in frozen} == {torch.bfloat16}, frozen
 
 
 def test_flags_are_checked_before_any_work(tmp_path):

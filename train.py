@@ -153,9 +153,9 @@ def build_model(cfg, mcfg, path, mesh, attn_fn, device):
     model.to_empty(device=device)
     # rank 0 keeps the full weights; the same random draw for any world size: the cp-equivalence of runs depends on it
     sd = on_rank0(lambda: full_state_dict(cfg, mcfg, path, shapes, base_dtype, device), device)
+    if cfg.quantize:  # the weights to NF4, one at a time out of sd (they waited on meta): bf16 never whole on a GPU
+        lora.quantize(model, sd, device)
     set_model_state_dict(model, sd or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    if cfg.quantize:
-        lora.quantize(model)
     return model, shapes
 
 

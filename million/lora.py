@@ -31,6 +31,7 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -76,7 +77,22 @@ def check_flags(rank: int, alpha: float, targets: str, quantize: str, merge: boo
     return None
 
 
-class LoRALinear(nn.Module):
+class _WaitsForNF4(nn.Module):
+    """A module whose frozen weights become NF4 (quantize). Built on meta, they wait there as buffers until quantize
+    fills them one at a time: to_empty and .to() leave a buffer on meta where it is, so the bf16 base is never whole
+    on the GPU (Qwen3.5-35B-A3B's: 65 GB)."""
+
+    def _apply(self, fn, recurse=True):
+        waiting = [n for n, b in self._buffers.items() if b is not None and b.is_meta]
+        held = {n: self._buffers[n] for n in waiting}
+        self._buffers.update(dict.fromkeys(waiting))  # None: skipped, and the buffers keep their places
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(held)
+
+
+class LoRALinear(_WaitsForNF4):
     """A frozen projection y = x W^T and, with rank > 0, PEFT's LoRA beside it: + B(A(x)) * alpha / rank.
 
     W stays `weight` (a frozen Parameter, sharded by FSDP2 like the rest; with nf4, a buffer that `quantize`
@@ -257,7 +273,7 @@ class LoRAMLP(nn.Module):
         return self.swiglu(x)
 
 
-class LoRAExperts(Experts):
+class LoRAExperts(_WaitsForNF4, Experts):
     """moe.Experts (the routed experts' stacked weights, frozen) with PEFT's adapters on gate_up and down, as its
     target_parameters put them: for each, one A [r E, in] and one B [out, r E], expert e's delta B[:, e::E] @
     A[e r:(e+1) r] (moe.expert_adapters) and gate_up's rows gate then up. moe_rows adds them through thin GEMMs
@@ -441,14 +457,20 @@ def nf4(w: torch.Tensor):
 
 
 @torch.no_grad()
-def quantize(model):
-    """After the base weights are loaded: each block projection's weight, and each routed expert's stacked weight
-    ([E, out, in] as [E x out, in]), becomes an NF4Tensor (a buffer that checkpoints leave out: the base is
-    reloaded from the model on resume). -> model."""
+def quantize(model, sd: dict | None = None, device=None):
+    """Each block projection's frozen weight, and each routed expert's stacked weight ([E, out, in] as [E x out,
+    in]), becomes an NF4Tensor (a buffer that checkpoints leave out: the base is reloaded from the model on resume).
+    A weight still on meta (train.py: _WaitsForNF4) comes out of sd, rank 0's full state dict (None on the others),
+    to `device`, over a broadcast to every rank, one at a time; its name leaves sd, which then loads the rest.
+    -> model."""
     for name, m in model.named_modules():
         names = [n for n in ("weight", *LoRAExperts.WEIGHTS) if n in m._buffers and not is_nf4(m._buffers[n])]
         for n in names if isinstance(m, (LoRALinear, LoRAExperts)) else ():
             w = m._buffers[n]
+            if w.is_meta:
+                w = sd.pop(f"{name}.{n}").to(device, w.dtype) if sd is not None else torch.empty_like(w, device=device)
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.broadcast(w, src=0)
             try:
                 q = nf4(w.reshape(-1, w.shape[-1]))
             except ValueError as e:  # every real Qwen3's and Qwen3.5's projections split into NF4's blocks

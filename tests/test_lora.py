@@ -477,6 +477,17 @@ def test_qlora_on_a_mixture_of_experts_is_lora_on_the_dequantized_model(targets)
         assert_matches(loss, grads, ref_loss, {k: g for k, g in ref_grads.items() if g is not None})
     merged, ref = (lora.merged_state_dict(m, m.state_dict(), torch.float32) for m in (q, d))
     assert merged.keys() == ref.keys() and all(torch.equal(merged[k], ref[k]) for k in ref)
+    # train.py's order: built on meta, to_empty leaves the weights that wait for NF4 there (never whole in bf16 on a
+    # GPU), and quantize takes each out of the full state dict: the same NF4 as quantizing the loaded model
+    from million.moe import Qwen3MoE
+    with torch.device("meta"):
+        w = lora.apply(Qwen3MoE(cfg), RANK, ALPHA, targets, quantize="nf4")
+    w.to_empty(device="cpu")
+    assert all(b.is_meta for n, b in w.named_buffers() if n in nf4) and not any(p.is_meta for p in w.parameters())
+    sd = random_moe(cfg).state_dict()
+    lora.quantize(w, sd, "cpu")
+    assert not set(nf4) & set(sd) and all(torch.equal(w.get_buffer(n).get_original_weight(),
+                                                      nf4[n].get_original_weight()) for n in nf4)
     # train.py's: a float32 model, the frozen base in bf16 (--dtype) until quantized, the adapters in float32
     m = lora.apply(random_moe(cfg), RANK, ALPHA, targets, base_dtype=torch.bfloat16, quantize="nf4")
     frozen = [(n, b.dtype) for n, b in m.named_buffers() if ".rotary" not in n] + [

@@ -402,8 +402,9 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
                     s.top_k * (4 * s.moe_intermediate + 2 * s.hidden) + 4 * s.shared_intermediate)
         mlp = (s.tokens - lv.mlp_tile) * width * s.act_bytes
     # a MoE block's backward holds its experts' gradients in fp32 and a tile's in act_bytes (_TiledMoE): never
-    # measured, added here as they are (1 block's worth; a dense MLP's smaller ones sit inside the fitted `work`)
-    moe = (4 + s.act_bytes) * s.moe_params if s.sparse_layers else 0
+    # measured, added here as they are (1 block's worth; a dense MLP's smaller ones sit inside the fitted `work`).
+    # Under LoRA the experts are frozen and get neither (their adapters' are small)
+    moe = (4 + s.act_bytes) * s.moe_params if s.sparse_layers and not s.lora_rank else 0
     return state + max(grads, on_gpu) + loss + work + mlp + moe
 
 

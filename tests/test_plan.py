@@ -439,8 +439,9 @@ def test_qwen3_5_steps_are_predicted():
 
 
 def test_qwen3_5_moe_steps_are_under_predicted_as_written_down():
-    """The 35B-A3B's LoRA steps at 131k (one H200) against the plan: memory on the safe side (+9.2%), pinned host
-    exact, the time short: 6.2% with attention and DeltaNet adapted, 6.4% with the shared expert's adapters too,
+    """The 35B-A3B's LoRA steps at 131k (one H200) against the plan: memory on the safe side (+4.2% to +4.8%, since
+    the plan stopped counting fp32 gradient buffers for frozen experts; +9.2% before), pinned host exact, the time
+    short: 6.2% with attention and DeltaNet adapted, 6.4% with the shared expert's adapters too,
     9.3% with the routed experts' (bench/NOTES.md, "The 35B-A3B, QLoRA and 524k on this code"). What the plan
     lacks is the MoE's: the step was 23.94 s (12% short) while the tiled backward computed the frozen experts'
     weight gradients, which the plan rightly does not count under LoRA; skipping them took it to 22.36 s, as
@@ -459,8 +460,24 @@ def test_qwen3_5_moe_steps_are_under_predicted_as_written_down():
         step_s, peak, host = second_step(Q35_LATER, f"q35-35b-a3b_lora_131072{name}")
         c = plan.predict(s, plan.Levers(s.layers, s.layers))
         assert c.step_s / step_s - 1 == pytest.approx(-short, abs=0.005), (name, c.step_s, step_s)
-        assert 0.05 < c.gpu_gib / peak - 1 < 0.10, (name, c.gpu_gib, peak)
+        assert 0.03 < c.gpu_gib / peak - 1 < 0.05, (name, c.gpu_gib, peak)
         assert c.host_gib == pytest.approx(host, rel=1e-3)
+
+
+def test_qwen3_5_moe_qlora_fits_an_80_gb_gpu_as_planned():
+    """The 35B-A3B with QLoRA (the routed experts in NF4 too) at 131k on one H100 80GB: 43.1 GiB at the peak, the
+    plan's 50.0 on the safe side (+16%: the rest of the step's memory as the bf16 run over-counts it, +4.3%, and
+    one layer's experts dequantized counted whole), pinned host exact. Its time is an H100's (23.38 s with cuDNN),
+    which the plan, fitted on H200s, does not predict."""
+    from million import lora
+    mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b"))
+    s = plan.Shape.of(mcfg, 131072, 1, 1, 1, attn_backend="cudnn", lora_rank=16,
+                      lora_targets=lora.ATTENTION + lora.DELTANET, quantize="nf4")
+    _, peak, host = second_step(os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06d"),
+                                "q35-35b-a3b_lora_131072")
+    c = plan.predict(s, plan.Levers(s.layers, s.layers))
+    assert 0.14 < c.gpu_gib / peak - 1 < 0.18 and c.gpu_gib < 0.92 * 79.1, (c.gpu_gib, peak)
+    assert c.host_gib == pytest.approx(host, rel=1e-3)
 
 
 def test_qwen3_5_under_cp_counts_the_summaries_as_measured():

@@ -135,7 +135,7 @@ class TrainConfig:
     lora_targets: str = flag("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                              "the projections adapted (Qwen3.5's DeltaNet: in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,"
                              "out_proj; a mixture of experts' routed experts: experts)")
-    quantize: str = flag("", "nf4: the frozen projections in 4-bit NormalFloat (QLoRA; needs torchao)")
+    quantize: str = flag("", "nf4: the frozen projections and experts in 4-bit NormalFloat (QLoRA; needs torchao)")
     merge_lora: bool = flag(False, "--save_dir: false = a PEFT adapter folder; true = the merged HF model")
 
 

@@ -81,11 +81,12 @@ class Log:
 
 def tell_launcher(line: str):
     """The error line also goes to the file torchrun gives each worker (TORCHELASTIC_ERROR_FILE): the summary
-    torchrun prints after a failed run then names it as the root cause, instead of a link to torch's docs."""
+    torchrun prints after a failed run then names it as the root cause, instead of a link to torch's docs. In the
+    layout torch's own @record writes (less the traceback), so that torchrun reads it without a warning."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with contextlib.suppress(OSError), open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
 
 
 class SharedError(SystemExit):

@@ -30,14 +30,26 @@ def killed_and_resumed(tmp_path, args, ref_args=(), lora=QLORA):
     assert_same_run(rows(tmp_path / "run"), rows(tmp_path / "ref"))
 
 
+def assert_merged_is_peft_over(tmp_path, cfg, sd):
+    """The uninterrupted run's PEFT folder (tmp_path/adapter) over the base sd (as NF4 gives it back) and the resumed
+    run's merged export (tmp_path/merged) give the same logits."""
+    import peft
+    import transformers
+    save_hf(str(tmp_path / "base"), cfg, sd)
+    ids = torch.randint(0, 257, (1, 50), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+        want = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
 def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
     """train.py --lora_rank 4 --quantize nf4 on 2 ranks (cp 2, the tiled MLP, kept attention, the last block keeping
     its MLP outputs): killed mid-step and relaunched, it gives the uninterrupted run's losses and grad norms bit
     for bit; its checkpoints hold the adapters and their AdamW states only. The uninterrupted run's PEFT folder
     over the dequantized base and the resumed run's merged export give the same logits (the same adapters,
     exported both ways)."""
-    import peft
-    import transformers
     killed_and_resumed(tmp_path, ["--tiled_mlp", "true", "--mlp_tile", "50", "--keep_mlp_layers", "1"],
                        ["--save_dir", str(tmp_path / "adapter")])
     from torch.distributed.checkpoint import FileSystemReader
@@ -50,13 +62,7 @@ def test_qlora_run_killed_and_resumed_continues_exactly(tmp_path):
     names = list(Qwen3(cfg).state_dict())
     sd = load_or_init_state_dict(None, cfg, names, torch.float32, 0, "cpu")
     sd = {n: lora.nf4(t).get_original_weight() if n.endswith("proj.weight") else t for n, t in sd.items()}
-    save_hf(str(tmp_path / "base"), cfg, sd)
-    ids = torch.randint(0, 257, (1, 50), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-        want = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))(ids).logits
-        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert_merged_is_peft_over(tmp_path, cfg, sd)
 
 
 def test_qlora_on_qwen3_5_moe_killed_and_resumed_exports_what_peft_computes(tmp_path):
@@ -64,7 +70,6 @@ def test_qlora_on_qwen3_5_moe_killed_and_resumed_exports_what_peft_computes(tmp_
     with the experts tiled: killed mid-step and relaunched, it gives the uninterrupted run's steps bit for bit. The
     uninterrupted run's PEFT folder over the base as NF4 gives it back (PEFT's target_parameters on the experts)
     and the resumed run's merged export give the same logits."""
-    import peft
     import transformers
     from million import qwen3_5
     model = tmp_path / "qwen3_5_moe"
@@ -87,10 +92,4 @@ def test_qlora_on_qwen3_5_moe_killed_and_resumed_exports_what_peft_computes(tmp_
     sd = load_or_init_state_dict(str(model), cfg, names, torch.float32, 0, "cpu")
     sd = {n: lora.nf4(t.reshape(-1, t.shape[-1])).get_original_weight().view(t.shape) if n in quantized else t
           for n, t in sd.items()}
-    save_hf(str(tmp_path / "base"), cfg, sd)
-    ids = torch.randint(0, 257, (1, 50), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-        want = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))(ids).logits
-        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert_merged_is_peft_over(tmp_path, cfg, sd)

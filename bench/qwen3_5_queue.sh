@@ -15,6 +15,7 @@
 #   qlora       the 9B's LoRA step at 131,072 tokens on NF4 weights (torchao on the path)
 #   qlora_moe   the 35B-A3B's LoRA step at 131,072 tokens on NF4 weights, its routed experts' included (fits an
 #               80 GB GPU; torchao on the path)
+#   qlora_moe_long  the same at 524,288 tokens, as plan.py fits it to an H100 with 126 GiB of host memory
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens (TRL's table's other two lengths; 262k: 24 of 32 blocks
 #               offloaded, as measured before)
@@ -51,6 +52,8 @@ job() {  # name: one job, its output into $Q/name
         moe_experts) MODEL=$MOE TARGETS=$AD,experts bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         qlora) EXTRA="--quantize nf4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         qlora_moe) MODEL=$MOE EXTRA="--quantize nf4" TIMEOUT=590 bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
+        qlora_moe_long) MODEL=$MOE EXTRA="--quantize nf4 --deltanet_tile 16384 --offload_layers 38" TIMEOUT=1500 \
+                        bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         table) bash bench/qwen3_5_gpu.sh "$d" lora:65536
                EXTRA="--offload_layers 24" bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;

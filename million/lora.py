@@ -467,7 +467,9 @@ def quantize(model, sd: dict | None = None, device=None):
         names = [n for n in ("weight", *LoRAExperts.WEIGHTS) if n in m._buffers and not is_nf4(m._buffers[n])]
         for n in names if isinstance(m, (LoRALinear, LoRAExperts)) else ():
             w = m._buffers[n]
-            if w.is_meta:
+            if w.is_meta:  # rank 0 has sd; the others receive its values below
+                if sd is None and not (dist.is_initialized() and dist.get_rank() > 0):
+                    raise ValueError(f"{name}.{n} waits on meta for its weights: pass the full state dict")
                 w = sd.pop(f"{name}.{n}").to(device, w.dtype) if sd is not None else torch.empty_like(w, device=device)
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     dist.broadcast(w, src=0)

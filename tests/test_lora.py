@@ -484,6 +484,8 @@ def test_qlora_on_a_mixture_of_experts_is_lora_on_the_dequantized_model(targets)
         w = lora.apply(Qwen3MoE(cfg), RANK, ALPHA, targets, quantize="nf4")
     w.to_empty(device="cpu")
     assert all(b.is_meta for n, b in w.named_buffers() if n in nf4) and not any(p.is_meta for p in w.parameters())
+    with pytest.raises(ValueError, match="waits on meta for its weights: pass the full state dict"):
+        lora.quantize(w)  # one process without the weights: never NF4 of uninitialised memory
     sd = random_moe(cfg).state_dict()
     lora.quantize(w, sd, "cpu")
     assert not set(nf4) & set(sd) and all(torch.equal(w.get_buffer(n).get_original_weight(),

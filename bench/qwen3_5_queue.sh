@@ -16,6 +16,9 @@
 #   qlora_moe   the 35B-A3B's LoRA step at 131,072 tokens on NF4 weights, its routed experts' included (fits an
 #               80 GB GPU; torchao on the path)
 #   qlora_moe_long  the same at 524,288 tokens, as plan.py fits it to an H100 with 126 GiB of host memory
+#   qlora_moe_262k  the same at 262,144 tokens, the DeltaNet in pieces of 16,384 (the levers plan.py picks for an H100)
+#   qlora_moe_393k  the same at 393,216 tokens, the levers --fit auto picks (the longest plan.py fits on an H100)
+#   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens (TRL's table's other two lengths; 262k: 24 of 32 blocks
 #               offloaded, as measured before)
@@ -54,6 +57,13 @@ job() {  # name: one job, its output into $Q/name
         qlora_moe) MODEL=$MOE EXTRA="--quantize nf4" TIMEOUT=590 bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         qlora_moe_long) MODEL=$MOE EXTRA="--quantize nf4 --deltanet_tile 16384 --offload_layers 38" TIMEOUT=1500 \
                         bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
+        qlora_moe_262k) MODEL=$MOE EXTRA="--quantize nf4 --deltanet_tile 16384" TIMEOUT=900 \
+                        bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
+        qlora_moe_393k) MODEL=$MOE EXTRA="--quantize nf4 --fit auto" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:393216 ;;
+        cut_long) MODEL=bench/configs/qwen3_5-35b-a3b-12l EXTRA="--quantize nf4 --deltanet_tile 16384 --max_steps 1 \
+                  --profile_step 1" TIMEOUT=560 bash bench/qwen3_5_gpu.sh "$d" lora:524288 &&
+                      python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_524288/profile > "$d/profile.txt" 2>&1
+                  cp /tmp/q35-35b-a3b_lora_524288/profile/summary.json "$d/" ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         table) bash bench/qwen3_5_gpu.sh "$d" lora:65536
                EXTRA="--offload_layers 24" bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
@@ -80,6 +90,9 @@ job() {  # name: one job, its output into $Q/name
 case "${1:-}" in
 start)
     shift; mkdir -p $Q; : > $Q/done.txt
+    # the card's memory as the driver sees it (PyTorch's allocator and everything outside it), every 10 s
+    setsid bash -c "while sleep 10; do echo \$(date +%T) \$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)
+        done" > $Q/smi.txt 2>&1 &
     setsid bash -c "for j in $*; do bash $0 job \$j; done; echo all >> $Q/done.txt" > $Q/queue.log 2>&1 &
     echo "queue started: $*" ;;
 job) job "$2" ;;

@@ -387,7 +387,10 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
         loss -= 4 * s.vocab * s.hidden                            # a frozen head has no gradient
     work = k.work_bytes_per_token_hidden * s.hidden * s.tokens
     if s.dn[0]:  # one block at a time: the larger of the two kinds' working sets; in pieces (deltanet_tile), a
-        # piece's, beside the pieces' outputs and their concatenation (predicted, not measured)
+        # piece's, beside the pieces' outputs and their concatenation (predicted, not measured). Gated attention's
+        # working set follows its query width (q_proj gives query and gate), not hidden: the 35B-A3B (hidden 2048,
+        # 16 x 256 query) held 118 KB a token at its peak, as the 9B (hidden 4096, the same query) does
+        work = k.work_bytes_per_token_hidden * max(s.hidden, s.heads * s.head_dim) * s.tokens
         tile = min(lv.deltanet_tile or s.tokens, s.tokens)
         pieces = 2 * s.tokens * s.hidden * s.act_bytes if tile < s.tokens else 0
         work = max(work, k.deltanet_work_bytes_per_token * tile + pieces)

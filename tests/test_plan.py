@@ -480,6 +480,34 @@ def test_qwen3_5_moe_qlora_fits_an_80_gb_gpu_as_planned():
     assert c.host_gib == pytest.approx(host, rel=1e-3)
 
 
+def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
+    """The 35B-A3B with QLoRA past 131k on one H100 80GB, the DeltaNet in pieces of 16,384: the peak is gated
+    attention's backward, whose working set follows its query width (16 x 256, twice its hidden 2048), as the 9B's
+    (the same query width) does. Counted by hidden, the plan said 37.2 GiB at 262,144 tokens (measured 50.5) and
+    59.7 GiB at 524,288, which ran out of memory past 70.9 GiB; a 12-layer cut traced there held 118 KB a token
+    at its peak (bench/results/qwen3_5_h100_2026-12-06e/cut_profile.txt). By the query width: within 5%, on the
+    safe side, and 524,288 tokens no longer planned for this card."""
+    import json
+    from million import lora
+    d = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06e")
+    with open(os.path.join(d, "cut_q35-35b-a3b_lora_524288.metrics.jsonl")) as fh:
+        cut = json.loads(fh.readline())                     # one step, traced: its peak is the run's
+    _, peak, host = second_step(d, "q35-35b-a3b_lora_262144")
+    for model, tokens, peak, host in (("qwen3_5-35b-a3b", 262144, peak, host),
+                                      ("qwen3_5-35b-a3b-12l", 524288, cut["peak_mem_gib"], cut["host_pinned_gib"])):
+        mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", model))
+        s = plan.Shape.of(mcfg, tokens, 1, 1, 1, attn_backend="cudnn", lora_rank=16,
+                          lora_targets=lora.ATTENTION + lora.DELTANET, quantize="nf4")
+        c = plan.predict(s, plan.Levers(s.layers, s.layers, deltanet_tile=16384))
+        assert 0.0 < c.gpu_gib / peak - 1 < 0.06, (model, c.gpu_gib, peak)
+        assert c.host_gib == pytest.approx(host, rel=1e-3)
+    s = plan.Shape.of(hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b")), 524288, 1, 1, 1,
+                      attn_backend="cudnn", lora_rank=16, lora_targets=lora.ATTENTION + lora.DELTANET,
+                      quantize="nf4")
+    with pytest.raises(plan.NoFit):
+        plan.choose(s, 79.1, 126)
+
+
 def test_qwen3_5_under_cp_counts_the_summaries_as_measured():
     """Under context parallelism the DeltaNet term grows by the span summaries' measured rate (bench/deltanet_layer.py
     at a rank's 131,072 tokens: the rule's cp form over the rule, measured as the rule was called before fla took

@@ -175,17 +175,26 @@ def test_schedule_covers_causal_mask_once(world):
     torch.testing.assert_close(covered, torch.ones(seq, seq, dtype=torch.int64).tril())
 
 
-@pytest.mark.parametrize("heads_per_call", [1, 3, 6, 9, 12])
-def test_backward_over_head_groups_matches_oracle(heads_per_call):
-    """_attn_bwd in groups of heads (one kernel call each) against autograd of the fp64 oracle: 12 query heads
-    over 4 K/V heads, so 1/3/6/9/12 heads per call are 4/4/2/2/1 calls (9 rounds down to K/V heads dividing 4).
-    q/k/v/dout are [B, T, H, D] memory seen as [B, H, T, D], as the model passes them."""
+@pytest.mark.parametrize("hkv,heads_per_call", [(4, 1), (4, 3), (4, 6), (4, 9), (4, 12), (2, 4), (2, 5), (1, 5)])
+def test_backward_over_head_groups_matches_oracle(hkv, heads_per_call):
+    """_attn_bwd in groups of heads (one kernel call each) against autograd of the fp64 oracle: 12 query heads.
+    Over 4 K/V heads (3 query heads each), 1/3/6/9/12 heads per call are 12/4/2/2/1 calls (9 rounds down to K/V
+    heads dividing 4; 1 splits each K/V head's three, its dk/dv summed over them). Over 2 (6 each), 4 and 5 heads
+    a call are both 2 calls of 3 a K/V head; over 1 (12), 5 are 3 calls of 4. No call takes more query heads
+    than asked for. q/k/v/dout are [B, T, H, D] memory seen as [B, H, T, D], as the model passes them."""
     gen = torch.Generator().manual_seed(7)
-    b, hq, hkv, t, d = 2, 12, 4, 37, 16
+    b, hq, t, d = 2, 12, 37, 16
     q, dout = (torch.randn(b, t, hq, d, generator=gen).transpose(1, 2) for _ in range(2))
     k, v = (torch.randn(b, t, hkv, d, generator=gen).transpose(1, 2) for _ in range(2))
     out, lse = parallel._attn_fwd(q, k, v, True)
-    grads = parallel._attn_bwd(dout, q, k, v, out, lse, True, heads_per_call=heads_per_call)
+    seen = []
+
+    def call(*args):
+        seen.append(args[1].shape[1])
+        return parallel._attn_bwd_call(*args, causal=True)
+
+    grads = parallel._by_head_groups(call, dout, q, k, v, out, lse, heads_per_call)
+    assert max(seen) <= heads_per_call and sum(seen) == hq, seen
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     naive_causal_attention(*leaves).backward(dout.double())
     for name, got, leaf in zip("qkv", grads, leaves):

@@ -92,24 +92,27 @@ def _attn_bwd(dout, q, k, v, out, lse, causal, heads_per_call=None):
 def _by_head_groups(call, dout, q, k, v, out, lse, heads_per_call=None):
     """call(dout, q, k, v, out, lse) -> (dq, dk, dv), an attention backward, run on at most heads_per_call query
     heads at a time (default BWD_QUERY_HEADS_PER_CALL): whole K/V heads with their query heads where those fit a
-    call, else a divisor of a K/V head's query heads per call, that K/V head's dk/dv summed in fp32 over them."""
+    call, else a K/V head's query heads over as few calls as fit, that K/V head's dk/dv summed in fp32 over them."""
     hq, hkv = q.shape[1], k.shape[1]
     per_kv, most = hq // hkv, heads_per_call or BWD_QUERY_HEADS_PER_CALL  # query heads per K/V head
-    kv_step = max(1, min(hkv, most // per_kv))
-    while hkv % kv_step:
-        kv_step -= 1
-    q_step = max(d for d in range(1, min(per_kv, most) + 1) if per_kv % d == 0)  # per_kv where kv_step > 1
-    if kv_step == hkv and q_step == per_kv:
-        return call(dout, q, k, v, out, lse)
+    if per_kv <= most:
+        kv_step = min(hkv, most // per_kv)
+        while hkv % kv_step:
+            kv_step -= 1
+        if kv_step == hkv:
+            return call(dout, q, k, v, out, lse)
+        groups = [(slice(h, h + kv_step), [slice(h * per_kv, (h + kv_step) * per_kv)]) for h in range(0, hkv, kv_step)]
+    else:
+        n = -(-per_kv // most)
+        groups = [(slice(h, h + 1), [slice(h * per_kv + i * per_kv // n, h * per_kv + (i + 1) * per_kv // n)
+                                     for i in range(n)]) for h in range(hkv)]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # q's memory layout
-    for h in range(0, hkv, kv_step):
-        kh = slice(h, h + kv_step)
-        for j in range(h * per_kv, (h + kv_step) * per_kv, kv_step * q_step):
-            qh = slice(j, j + kv_step * q_step)
+    for kh, parts in groups:
+        for i, qh in enumerate(parts):
             gq, gk, gv = call(dout[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh])
             dq[:, qh].copy_(gq)
-            if j == h * per_kv:
-                acc = gk.dtype if q_step == per_kv else torch.promote_types(gk.dtype, torch.float32)
+            if i == 0:
+                acc = gk.dtype if len(parts) == 1 else torch.promote_types(gk.dtype, torch.float32)
                 sk, sv = gk.to(acc), gv.to(acc)
             else:
                 sk += gk

@@ -175,13 +175,15 @@ def test_schedule_covers_causal_mask_once(world):
     torch.testing.assert_close(covered, torch.ones(seq, seq, dtype=torch.int64).tril())
 
 
-@pytest.mark.parametrize("hkv,heads_per_call", [(4, 1), (4, 3), (4, 6), (4, 9), (4, 12), (2, 4), (2, 5), (1, 5)])
+@pytest.mark.parametrize("hkv,heads_per_call",
+                         [(4, 1), (4, 2), (4, 3), (4, 6), (4, 9), (4, 12), (2, 4), (2, 5), (1, 5)])
 def test_backward_over_head_groups_matches_oracle(hkv, heads_per_call):
     """_attn_bwd in groups of heads (one kernel call each) against autograd of the fp64 oracle: 12 query heads.
-    Over 4 K/V heads (3 query heads each), 1/3/6/9/12 heads per call are 12/4/2/2/1 calls (9 rounds down to K/V
-    heads dividing 4; 1 splits each K/V head's three, its dk/dv summed over them). Over 2 (6 each), 4 and 5 heads
-    a call are both 2 calls of 3 a K/V head; over 1 (12), 5 are 3 calls of 4. No call takes more query heads
-    than asked for. q/k/v/dout are [B, T, H, D] memory seen as [B, H, T, D], as the model passes them."""
+    Over 4 K/V heads (3 query heads each), 1/2/3/6/9/12 heads per call are 12/8/4/2/2/1 calls (9 rounds down to
+    K/V heads dividing 4; 1 and 2 split each K/V head's three, 2 as 1 + 2, its dk/dv summed over them). Over 2
+    (6 each), 4 and 5 heads a call are 2 calls of 3 a K/V head; over 1 (12), 5 are 3 calls of 4. No call takes
+    more query heads than asked for. q/k/v/dout are [B, T, H, D] memory seen as [B, H, T, D], as the model
+    passes them."""
     gen = torch.Generator().manual_seed(7)
     b, hq, t, d = 2, 12, 37, 16
     q, dout = (torch.randn(b, t, hq, d, generator=gen).transpose(1, 2) for _ in range(2))

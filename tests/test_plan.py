@@ -486,7 +486,9 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
     (the same query width) does. Counted by hidden, the plan said 37.2 GiB at 262,144 tokens (measured 50.5) and
     59.7 GiB at 524,288, which ran out of memory past 70.9 GiB; a 12-layer cut traced there held 118 KB a token
     at its peak (bench/results/qwen3_5_h100_2026-12-06e/cut_profile.txt). By the query width: within 5%, on the
-    safe side, and 524,288 tokens no longer planned for this card."""
+    safe side, and 524,288 tokens no longer planned for this card. Since, the attention backward runs 4 of a K/V
+    head's 8 query heads a call, not 8 (parallel._by_head_groups): the cut then held 60.9 GiB, and the plan, which
+    does not count heads a call, is 13.6% over it (pinned here)."""
     import json
     from million import lora
     d = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06e")
@@ -501,6 +503,10 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
         c = plan.predict(s, plan.Levers(s.layers, s.layers, deltanet_tile=16384))
         assert 0.0 < c.gpu_gib / peak - 1 < 0.06, (model, c.gpu_gib, peak)
         assert c.host_gib == pytest.approx(host, rel=1e-3)
+    with open(os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06f",
+                           "cut_q35-35b-a3b_lora_524288.metrics.jsonl")) as fh:
+        split = json.loads(fh.readline())["peak_mem_gib"]
+    assert c.gpu_gib / split - 1 == pytest.approx(0.136, abs=0.005), (c.gpu_gib, split)
     s = plan.Shape.of(hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b")), 524288, 1, 1, 1,
                       attn_backend="cudnn", lora_rank=16, lora_targets=lora.ATTENTION + lora.DELTANET,
                       quantize="nf4")

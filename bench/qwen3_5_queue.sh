@@ -15,7 +15,7 @@
 #   qlora       the 9B's LoRA step at 131,072 tokens on NF4 weights (torchao on the path)
 #   qlora_moe   the 35B-A3B's LoRA step at 131,072 tokens on NF4 weights, its routed experts' included (fits an
 #               80 GB GPU; torchao on the path)
-#   qlora_moe_long  the same at 524,288 tokens, as plan.py fits it to an H100 with 126 GiB of host memory
+#   qlora_moe_long  the same at 524,288 tokens, 38 of 40 blocks offloaded (an H200: it ran out of memory on an H100)
 #   qlora_moe_262k  the same at 262,144 tokens, the DeltaNet in pieces of 16,384 (the levers plan.py picks for an H100)
 #   qlora_moe_393k  the same at 393,216 tokens, the levers --fit auto picks (the longest plan.py fits on an H100)
 #   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak

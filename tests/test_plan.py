@@ -484,8 +484,8 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
     """The 35B-A3B with QLoRA past 131k on one H100 80GB, the DeltaNet in pieces of 16,384: the peak is gated
     attention's backward, whose working set follows its query width (16 x 256, twice its hidden 2048), as the 9B's
     (the same query width) does. Counted by hidden, the plan said 37.2 GiB at 262,144 tokens (measured 50.5) and
-    59.7 GiB at 524,288, which ran out of memory past 70.9 GiB; a 12-layer cut traced there held 118 KB a token
-    at its peak (bench/results/qwen3_5_h100_2026-12-06e/cut_profile.txt). By the query width: within 5%, on the
+    59.7 GiB at 524,288, which ran out of memory past 70.9 GiB; a 12-layer cut traced there held 118 KB a token at
+    its peak (bench/results/qwen3_5_h100_2026-12-06e/cut_profile.txt). By the query width: +2.4% and +5.0%, on the
     safe side, and 524,288 tokens no longer planned for this card. Since, the attention backward runs 4 of a K/V
     head's 8 query heads a call, not 8 (parallel._by_head_groups): the cut then held 60.9 GiB, and the plan, which
     does not count heads a call, is 13.6% over it (pinned here)."""

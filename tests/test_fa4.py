@@ -100,7 +100,8 @@ def test_fa4_matches_math_attention_within_bf16_floor(case):
 @pytest.mark.parametrize("heads_per_call", [1, 4, 8, 32])
 def test_fa4_backward_over_head_groups(heads_per_call):
     """The backward in groups of heads (the peak-memory split) gives the one-call gradients: heads are independent,
-    so only dQ's atomic accumulation order differs."""
+    so only dQ's atomic accumulation order differs, and at 1 head a call the rounding of dK/dV, summed in fp32 over
+    the 4 query heads of their K/V head."""
     case = (1, 32, 8, 1000, 1000, 128, True)
     q, k, v, dout = make_inputs(case, seed=1)
     out, lse = kernels.attn_fwd(q, k, v, True, "fa4")

@@ -521,11 +521,15 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
     offs = [fixed["offload_layers"]] if "offload_layers" in fixed else range(0, s.layers + 1)
     # Qwen3.5 at cp 1: DeltaNet layers in pieces of DELTANET_TILE tokens, where nothing fits without them
     tiles = [base.deltanet_tile] if "deltanet_tile" in fixed or not s.dn[0] or s.cp > 1 else [0, DELTANET_TILE]
+    def candidates(tile):
+        return (replace(base, offload_layers=off, keep_attention_layers=keep, deltanet_tile=tile)
+                for keep in keeps for off in offs)
+
+    def fit(x: Shape, lv: Levers):
+        return gpu_bytes(x, lv, k) <= gpu_cap and host_bytes(x, lv) <= host_cap
     fits = []
     for tile in tiles:
-        fits = fits or [lv for lv in (replace(base, offload_layers=off, keep_attention_layers=keep, deltanet_tile=tile)
-                                      for keep in keeps for off in offs)
-                        if gpu_bytes(s, lv, k) <= gpu_cap and host_bytes(s, lv) <= host_cap]
+        fits = fits or [lv for lv in candidates(tile) if fit(s, lv)]
     if fits:
         fastest = min(step_seconds(s, lv, k) for lv in fits)
         near = [lv for lv in fits if step_seconds(s, lv, k) <= fastest * (1 + TIME_SLACK)]
@@ -544,14 +548,18 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         return best, predict(s, best, k)
     nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1], deltanet_tile=tiles[-1])
     c = predict(s, nearest, k)
-    def fits_with(x: Shape):
-        return gpu_bytes(x, nearest, k) <= gpu_cap and host_bytes(x, nearest) <= host_cap
+    def fits_with(x: Shape):  # some set of levers fits x
+        return any(fit(x, lv) for tile in tiles for lv in candidates(tile))
     need_cp = next((cp for cp in (2, 4, 8, 16, 32, 64) if cp > s.cp and s.seq_len % (2 * cp) == 0 and
                     fits_with(replace(s, cp=cp, world=s.world * cp // s.cp))), None)
     gpu_short = gpu_bytes(s, nearest, k) > gpu_cap
-    def longest(x: Shape):  # the longest of seq_len / 2, / 4, ... at which x fits
-        return next((n for n in (x.seq_len >> i for i in range(1, 11)) if n and n % (2 * x.cp) == 0
-                     and fits_with(replace(x, seq_len=n))), None)
+    def longest(x: Shape):  # the longest of seq_len / 2, / 4, ... at which x fits, then up from it in steps of
+        # the largest power of two within a quarter of it (524,288 -> 262,144 -> 393,216), below seq_len
+        n = next((n for n in (x.seq_len >> i for i in range(1, 11)) if n and n % (2 * x.cp) == 0
+                  and fits_with(replace(x, seq_len=n))), None)
+        step = 1 << max((n or 0) // 4, 1).bit_length() - 1
+        return next((m for m in range((min(2 * n, x.seq_len) - 1) // step * step, n, -step)
+                     if m % (2 * x.cp) == 0 and fits_with(replace(x, seq_len=m))), n) if n else None
     shorter = longest(s)
     hints = [f"--cp {need_cp} (more GPUs per sequence)"] if need_cp else []
     hints += [f"--seq_len {shorter}" if shorter else "a shorter --seq_len", "more GPUs" if gpu_short else

@@ -5,6 +5,7 @@ import ast
 import itertools
 import mmap
 import os
+import re
 import sys
 
 import pytest
@@ -527,11 +528,16 @@ def test_qwen3_5_under_cp_counts_the_summaries_as_measured():
 
 
 def test_qwen3_5_no_fit_names_what_fits():
-    """Where no plan fits on one H200, the hint names a length that does. Host memory bounds the hybrid's length
+    """Where no plan fits on one H200, the hint names the longest length that does, in steps of 65,536 above the
+    halving that fits (393,216): with its own levers, not the failed plan's. Host memory bounds the hybrid's length
     there (what offload holds), so --quantize nf4, which saves GPU memory, fits no longer and is not suggested."""
     with pytest.raises(plan.NoFit) as e:
         plan.choose(q35_shape(786432), 139.7, 126)
-    assert "--seq_len 393216" in str(e.value) and "nf4" not in str(e.value)
+    hinted = int(re.search(r"--seq_len (\d+)", str(e.value)).group(1))
+    assert hinted == 589824 and "nf4" not in str(e.value)
+    plan.choose(q35_shape(hinted), 139.7, 126)                       # fits
+    with pytest.raises(plan.NoFit):
+        plan.choose(q35_shape(hinted + 65536), 139.7, 126)
     with pytest.raises(plan.NoFit) as e:
         plan.choose(q35_shape(524288, lora_rank=0, param_bytes=2, stochastic_rounding=True), 139.7, 126)
     assert "--lora_rank 16" in str(e.value) and "nf4" not in str(e.value)

@@ -385,12 +385,12 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     if s.lora_rank:
         state += frozen_bytes(s)
         loss -= 4 * s.vocab * s.hidden                            # a frozen head has no gradient
-    work = k.work_bytes_per_token_hidden * s.hidden * s.tokens
+    # Qwen3.5's gated attention's working set follows its query width (q_proj gives query and gate), not hidden:
+    # the 35B-A3B (hidden 2048, 16 x 256 query) held 118 KB a token at its peak, as the 9B (hidden 4096) does
+    width = max(s.hidden, s.heads * s.head_dim) if s.dn[0] else s.hidden
+    work = k.work_bytes_per_token_hidden * width * s.tokens
     if s.dn[0]:  # one block at a time: the larger of the two kinds' working sets; in pieces (deltanet_tile), a
-        # piece's, beside the pieces' outputs and their concatenation (predicted, not measured). Gated attention's
-        # working set follows its query width (q_proj gives query and gate), not hidden: the 35B-A3B (hidden 2048,
-        # 16 x 256 query) held 118 KB a token at its peak, as the 9B (hidden 4096, the same query) does
-        work = k.work_bytes_per_token_hidden * max(s.hidden, s.heads * s.head_dim) * s.tokens
+        # piece's, beside the pieces' outputs and their concatenation (predicted, not measured)
         tile = min(lv.deltanet_tile or s.tokens, s.tokens)
         pieces = 2 * s.tokens * s.hidden * s.act_bytes if tile < s.tokens else 0
         work = max(work, k.deltanet_work_bytes_per_token * tile + pieces)
@@ -548,8 +548,8 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         return best, predict(s, best, k)
     nearest = replace(base, offload_layers=offs[-1], keep_attention_layers=keeps[-1], deltanet_tile=tiles[-1])
     c = predict(s, nearest, k)
-    def fits_with(x: Shape):  # some set of levers fits x
-        return any(fit(x, lv) for tile in tiles for lv in candidates(tile))
+    def fits_with(x: Shape):  # some set of levers fits x (the DeltaNet in pieces at cp 1 only)
+        return any(fit(x, lv) for tile in (tiles if x.cp == 1 else tiles[:1]) for lv in candidates(tile))
     need_cp = next((cp for cp in (2, 4, 8, 16, 32, 64) if cp > s.cp and s.seq_len % (2 * cp) == 0 and
                     fits_with(replace(s, cp=cp, world=s.world * cp // s.cp))), None)
     gpu_short = gpu_bytes(s, nearest, k) > gpu_cap
@@ -557,9 +557,11 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
         # the largest power of two within a quarter of it (524,288 -> 262,144 -> 393,216), below seq_len
         n = next((n for n in (x.seq_len >> i for i in range(1, 11)) if n and n % (2 * x.cp) == 0
                   and fits_with(replace(x, seq_len=n))), None)
-        step = 1 << max((n or 0) // 4, 1).bit_length() - 1
+        if n is None:
+            return None
+        step = 1 << (max(n // 4, 1).bit_length() - 1)
         return next((m for m in range((min(2 * n, x.seq_len) - 1) // step * step, n, -step)
-                     if m % (2 * x.cp) == 0 and fits_with(replace(x, seq_len=m))), n) if n else None
+                     if m % (2 * x.cp) == 0 and fits_with(replace(x, seq_len=m))), n)
     shorter = longest(s)
     hints = [f"--cp {need_cp} (more GPUs per sequence)"] if need_cp else []
     hints += [f"--seq_len {shorter}" if shorter else "a shorter --seq_len", "more GPUs" if gpu_short else

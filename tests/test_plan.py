@@ -495,9 +495,9 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
     d = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06e")
     with open(os.path.join(d, "cut_q35-35b-a3b_lora_524288.metrics.jsonl")) as fh:
         cut = json.loads(fh.readline())                     # one step, traced: its peak is the run's
-    _, peak, host = second_step(d, "q35-35b-a3b_lora_262144")
-    for model, tokens, peak, host in (("qwen3_5-35b-a3b", 262144, peak, host),
-                                      ("qwen3_5-35b-a3b-12l", 524288, cut["peak_mem_gib"], cut["host_pinned_gib"])):
+    runs = [("qwen3_5-35b-a3b", 262144, *second_step(d, "q35-35b-a3b_lora_262144")[1:]),
+            ("qwen3_5-35b-a3b-12l", 524288, cut["peak_mem_gib"], cut["host_pinned_gib"])]
+    for model, tokens, peak, host in runs:
         mcfg = hf.read_config(os.path.join(ROOT, "bench", "configs", model))
         s = plan.Shape.of(mcfg, tokens, 1, 1, 1, attn_backend="cudnn", lora_rank=16,
                           lora_targets=lora.ATTENTION + lora.DELTANET, quantize="nf4")
@@ -511,8 +511,14 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
     s = plan.Shape.of(hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b")), 524288, 1, 1, 1,
                       attn_backend="cudnn", lora_rank=16, lora_targets=lora.ATTENTION + lora.DELTANET,
                       quantize="nf4")
-    with pytest.raises(plan.NoFit):
+    with pytest.raises(plan.NoFit) as e:
         plan.choose(s, 79.1, 126)
+    # the hint's --cp fits with levers allowed under cp (the DeltaNet in pieces is for cp 1 only): 2 fits only in
+    # pieces, so it names 4
+    assert "--cp 4 " in str(e.value) and "--seq_len 393216" in str(e.value), str(e.value)
+    plan.choose(replace(s, cp=4, world=4, ranks_per_node=4), 79.1, 4 * 126)
+    with pytest.raises(plan.NoFit):
+        plan.choose(replace(s, cp=2, world=2, ranks_per_node=2), 79.1, 2 * 126)
 
 
 def test_qwen3_5_under_cp_counts_the_summaries_as_measured():

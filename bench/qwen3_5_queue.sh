@@ -31,6 +31,7 @@
 #   profile_experts  the same with the routed experts adapted too
 #   attn_ab     the 9B's LoRA step at 131,072 tokens with --attn_backend fa4, then cudnn (head_dim 256)
 #   rows        bench/moe_rows.py: one MoE tile's row permutations and weighted sum, timed both ways
+#   overhead    bench/gpu_overhead.py: what a process holds on the GPU outside PyTorch's allocator, stage by stage
 set -u
 Q=/tmp/queue
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
@@ -83,6 +84,8 @@ job() {  # name: one job, its output into $Q/name
         profile) profiled $AD "$d" ;;
         profile_experts) profiled $AD,experts "$d" ;;
         attn_ab) for b in fa4 cudnn; do EXTRA="--attn_backend $b" bash bench/qwen3_5_gpu.sh "$d/$b" lora:131072; done ;;
+        overhead) timeout 300 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/gpu_overhead.py \
+                      --out "$d/overhead.json" > "$d/overhead.log" 2>&1 ;;
         rows) timeout 200 python bench/moe_rows.py --out "$d/moe_rows.json" > "$d/moe_rows.log" 2>&1 ;;
         *) echo "unknown job $1" > "$d/error.txt" ;;
     esac

@@ -212,6 +212,22 @@ def test_norms_match_transformers(dtype, tol):
             assert err < tol, (type(ours).__name__, name, dtype, err)
 
 
+def test_gated_attention_keeps_no_view_of_q_proj_s_output():
+    """What gated attention keeps for its backward (no recompute, to see every saved tensor): q and sigmoid(gate)
+    apart, and nothing that shares storage with q_proj's output. q_norm keeps its input, so a view of q's half kept
+    the gate's half alive too: Hq x head_dim values a token more (4 GiB at 524,288 tokens at the 9B's heads)."""
+    model = make_model(torch.float32).set_levers(recompute=False)
+    outputs, saved = [], []  # the tensors themselves: alive to the end, no address is reused
+    for block in model.layers:
+        if not block.linear:
+            block.self_attn.q_proj.register_forward_hook(lambda m, i, y: outputs.append(y))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(inputs()[0])
+    kept = {t.untyped_storage().data_ptr() for t in saved}
+    assert outputs and not any(y.untyped_storage().data_ptr() in kept for y in outputs), \
+        "a saved tensor keeps q_proj's output alive"
+
+
 @pytest.mark.gpu
 def test_compiled_norms_match_eager():
     """On CUDA the norms' formulas run compiled (model.fused): forward and backward equal the same formulas run

@@ -31,6 +31,7 @@
 #   profile_experts  the same with the routed experts adapted too
 #   attn_ab     the 9B's LoRA step at 131,072 tokens with --attn_backend fa4, then cudnn (head_dim 256)
 #   rows        bench/moe_rows.py: one MoE tile's row permutations and weighted sum, timed both ways
+#   fa4_groups  FA4's backward over head groups (one head a call, dK/dV summed) against one call, on the GPU
 #   overhead    bench/gpu_overhead.py: what a process holds on the GPU outside PyTorch's allocator, stage by stage
 set -u
 Q=/tmp/queue
@@ -84,6 +85,7 @@ job() {  # name: one job, its output into $Q/name
         profile) profiled $AD "$d" ;;
         profile_experts) profiled $AD,experts "$d" ;;
         attn_ab) for b in fa4 cudnn; do EXTRA="--attn_backend $b" bash bench/qwen3_5_gpu.sh "$d/$b" lora:131072; done ;;
+        fa4_groups) timeout 300 python -m pytest -m gpu -p no:xdist tests/test_fa4.py -k head_groups > "$d/fa4_groups.log" 2>&1 ;;
         overhead) timeout 300 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/gpu_overhead.py \
                       --out "$d/overhead.json" > "$d/overhead.log" 2>&1 ;;
         rows) timeout 200 python bench/moe_rows.py --out "$d/moe_rows.json" > "$d/moe_rows.log" 2>&1 ;;

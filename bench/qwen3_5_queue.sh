@@ -21,8 +21,8 @@
 #   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
-#   table       the 9B's LoRA at 65,536 and 262,144 tokens (TRL's table's other two lengths; 262k: 24 of 32 blocks
-#               offloaded, as measured before)
+#   table       the 9B's LoRA at 65,536 and 262,144 tokens, the levers --fit auto picks (TRL's table's other two
+#               lengths)
 #   moe_tile    the 35B-A3B's LoRA step with tiles of 65,536 rows (~2,048 rows an expert, not ~512)
 #   cut         the 35B-A3B's 12-layer cut (fits an 80 GB GPU), LoRA on attention and DeltaNet, 4 steps (2-4 timed)
 #   ab          on a 12-layer cut of the 35B-A3B (fits an 80 GB GPU): LoRA as the code is, with the experts adapted,
@@ -69,8 +69,7 @@ job() {  # name: one job, its output into $Q/name
                   cp /tmp/q35-35b-a3b_lora_524288/profile/summary.json "$d/" ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         longest) EXTRA="--fit auto" TIMEOUT=1200 bash bench/qwen3_5_gpu.sh "$d" lora:589824 ;;
-        table) bash bench/qwen3_5_gpu.sh "$d" lora:65536
-               EXTRA="--offload_layers 24" bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
+        table) EXTRA="--fit auto" bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;
         moe_tile) MODEL=$MOE EXTRA="--mlp_tile 65536" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         cut) MODEL=bench/configs/qwen3_5-35b-a3b-12l TARGETS=$AD EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         ab) # the 35B-A3B cut to 12 layers (an 80 GB GPU holds it): LoRA on attention and DeltaNet as the code is, then

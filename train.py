@@ -206,8 +206,8 @@ def make_batches(cfg, setup: Setup, source: str, split: str, grad_accum: int) ->
     if cfg.data_repo:
         kw["repo"] = cfg.data_repo
     if config.packs_documents(cfg):  # rows as documents (conversations, prompt/completion), unless all are text
-        from million import packing
-        batches = packing.make_batches(cfg, setup, source, kw, grad_accum)
+        from million import chat
+        batches = chat.make_batches(cfg, setup, source, kw, grad_accum)
         if batches is not None:
             return batches
 

@@ -157,33 +157,3 @@ class PackedBatches(data.Batches):
         layout = self.layout_of(doc_lens) if self.layout_of is not None else None
         return PackedMicro(self.shard(w[0, :T], layout), self.shard(w[1, :T], layout),
                            self.shard(doc_positions(doc_lens).to(w.device), layout), doc_lens, int(w[2, T]))
-
-
-def make_batches(cfg, setup, source: str, kw: dict, grad_accum: int) -> "PackedBatches | None":
-    """train.py's micro-batches when rows are documents (--packing docs, or auto on rows that are not all text):
-    each row a document (text, a conversation, a prompt and its completion: chat.py), packed into windows whose
-    chunks go to ranks by their documents' masked area (documents.py; zigzag with --doc_attention simple).
-    None when --packing auto finds text rows: they are laid end to end, as books are (train.make_batches)."""
-    import functools
-
-    from million import chat, documents
-    from million.survival import from_rank0, on_rank0
-    packing = cfg.packing if cfg.packing != "auto" else from_rank0(on_rank0(lambda: chat.default_packing(
-        source, **{k: v for k, v in kw.items() if k != "seed"}), setup.device))
-    if packing == "concat":
-        return None
-    dp, dp_rank = setup.mesh.size(0), setup.mesh.get_local_rank("dp")
-
-    def make_loader():
-        tok = data.load_tokenizer(data.tokenizer_spec(cfg.tokenizer, setup.model_path))
-        if tok.vocab_size > setup.mcfg.vocab_size:
-            raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                             f"{setup.mcfg.vocab_size}; use the model's own tokenizer")
-        template = open(cfg.chat_template, encoding="utf-8").read() if cfg.chat_template else None
-        docs = lambda start: chat.iter_documents(  # noqa: E731
-            source, tok, start_row=start, chat_template=template, assistant_only_loss=cfg.assistant_only_loss,
-            completion_only_loss=cfg.completion_only_loss, **kw)
-        return PackedLoader(docs, cfg.seq_len, tok.eos_id, dp_rank=dp_rank, dp_size=dp)
-    cp_group = setup.mesh.get_group("cp")
-    layout_of = functools.partial(documents.cp_layout, cp_group.size(), balanced=cfg.doc_attention == "balanced")
-    return PackedBatches(make_loader, cfg.seq_len, grad_accum, cp_group, setup.device, layout_of=layout_of)

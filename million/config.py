@@ -313,10 +313,11 @@ def check_config(cfg: TrainConfig, world: int):
     kind = hf.model_type(cfg.model) if os.path.isdir(cfg.model) else ""  # a hub id's: once it is downloaded
     if kind.startswith("qwen3_5"):  # Qwen3.5
         from million import qwen3_5
-        why = qwen3_5.check_flags(cfg, kind, context_parallel(cfg, world))
+        why = qwen3_5.check_flags(cfg, context_parallel(cfg, world))
         need(why is None, why)
-    elif cfg.model == "tiny" or kind in ("qwen3", "qwen3_moe"):  # a stand-in for the config, which the loader reads
-        check_model(cfg, SimpleNamespace(num_experts=int(kind == "qwen3_moe")))  # (and reports if it is broken)
+    if cfg.model == "tiny" or kind in ("qwen3", "qwen3_moe") or kind.startswith("qwen3_5"):  # a stand-in for the
+        # config, which the loader reads (and reports if it is broken): experts or not, DeltaNet layers or not
+        check_model(cfg, SimpleNamespace(num_experts=int("moe" in kind), layer_types=kind.startswith("qwen3_5")))
     need(not (cfg.eval_every and not cfg.eval_only and not cfg.eval_data and os.path.isfile(cfg.data)),
          f"--data {cfg.data} is one file: it has no held-out split to evaluate on; pass --eval_data (a file or "
          "folder of books not trained on)")

@@ -508,15 +508,9 @@ def model_class(cfg: Qwen3_5Config) -> type:
 
 # --- In train.py ---------------------------------------------------------------------------------
 
-def check_flags(cfg, model_type: str = "qwen3_5", cp: int = 1, mcfg: Qwen3_5Config | None = None) -> str | None:
-    """What train.py's flags (config.TrainConfig) ask of a Qwen3.5 (config.json's model_type; mcfg, or the one read
-    from a local --model) that it does not do, in one line; or None."""
-    if cfg.lora_rank:
-        from million import lora
-        kind = Qwen3_5MoeConfig() if "moe" in model_type else Qwen3_5Config()
-        why = lora.moe_targets_error(kind, lora.parse_targets(cfg.lora_targets))
-        if why:
-            return why
+def check_flags(cfg, cp: int = 1, mcfg: Qwen3_5Config | None = None) -> str | None:
+    """What train.py's flags (config.TrainConfig) ask of a Qwen3.5 (mcfg, or the one read from a local --model) at
+    cp ranks a sequence that it does not do, in one line; or None (--lora_targets: config.check_model)."""
     try:
         resolve_kernel(getattr(cfg, "deltanet_kernel", "auto"))
         mcfg = mcfg or (read_config(cfg.model) if os.path.isdir(cfg.model) else None)  # a hub id's: once downloaded
@@ -538,7 +532,7 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
     id's; a local folder's are refused before start-up by config.check_config)."""
     from million import documents
     from million.survival import SharedError
-    why = check_flags(cfg, mcfg.raw.get("model_type", "qwen3_5"), cp_group.size() if cp_group else 1, mcfg)
+    why = check_flags(cfg, cp_group.size() if cp_group else 1, mcfg)
     if why:
         raise SharedError(f"error: {why}")
     layout = functools.partial(documents.cp_layout, balanced=cfg.doc_attention == "balanced")

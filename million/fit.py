@@ -32,12 +32,17 @@ def levers(cfg, layers: int) -> plan.Levers:
 def plan_shape(cfg, mcfg, world: int) -> plan.Shape:
     """The run's shape as plan.py models it (this node's ranks: torchrun's LOCAL_WORLD_SIZE)."""
     backend = kernels.resolve_backend(cfg.attn_backend, mcfg.head_dim, config.packs_documents(cfg))
+    deltanet = ""
+    if getattr(mcfg, "layer_types", None):  # Qwen3.5: on fla's kernels, memory outside the allocator (plan.py)
+        from million.deltanet import resolve_kernel
+        deltanet = resolve_kernel(cfg.deltanet_kernel)
     return plan.Shape.of(mcfg, cfg.seq_len, config.context_parallel(cfg, world), world,
                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          param_bytes=getattr(torch, cfg.param_dtype).itemsize,
                          act_bytes=getattr(torch, cfg.dtype).itemsize, loss_chunk=cfg.loss_chunk, attn_backend=backend,
                          stochastic_rounding=cfg.stochastic_rounding, lora_rank=cfg.lora_rank,
-                         lora_targets=lora.parse_targets(cfg.lora_targets), quantize=cfg.quantize)
+                         lora_targets=lora.parse_targets(cfg.lora_targets), quantize=cfg.quantize,
+                         deltanet_kernel=deltanet)
 
 
 def plan_levers(cfg, mcfg, world: int, given: set, device, log):
@@ -84,7 +89,9 @@ def plan_levers(cfg, mcfg, world: int, given: set, device, log):
     cfg.keep_attention, cfg.keep_attention_layers = lv.keep_attention_layers > 0, lv.keep_attention_layers
     cfg.tiled_mlp, cfg.mlp_tile, cfg.keep_mlp_layers = lv.tiled_mlp, lv.mlp_tile, lv.keep_mlp_layers
     cfg.deltanet_tile = lv.deltanet_tile
-    log(f"fit: {caps[0].item():.1f} GiB GPU per rank, {caps[1].item():.0f} GiB host per node -> "
+    outside = f" ({shape.outside_bytes / 2**30:.1f} of it for fla's kernels, outside PyTorch's allocator)" \
+        if shape.outside_bytes else ""
+    log(f"fit: {caps[0].item():.1f} GiB GPU per rank{outside}, {caps[1].item():.0f} GiB host per node -> "
         + plan.describe(lv, cost, shape) + (f" (given: {', '.join(sorted(fixed))})" if fixed else ""))
 
 

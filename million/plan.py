@@ -95,6 +95,12 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark:
                    deltanet_cp_s_per_mtoken_layer=0.221)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
                                       # the fitted runs) and the memory the OS and page cache need
+# What fla's Triton kernels (Qwen3.5's DeltaNet layers) hold on the GPU outside PyTorch's allocator once they have
+# run, which appears after the plan reads the free memory (their start-up check runs as the model is built) and
+# which the margin above, 6.3 GiB of an 80 GB card, did not cover: 6.4 GiB on an H100, the driver's count less the
+# allocator's before and after fla's forward and backward at the 9B's heads (bench/gpu_overhead.py, 2026-12-06;
+# the libraries' handles and NCCL's communicator 1.3 GiB before it). Taken off the card before the plan is fitted.
+FLA_OUTSIDE_BYTES = 6.4 * 2**30
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 TIME_SLACK = 0.01  # --fit auto trades up to 1% of predicted step time for the lowest GPU peak
 ADAPTER_RECOMPUTE = 0.3 / 1.3  # the recompute's forward's share of an adapter's time (adapter_ps_per_token_width)
@@ -142,18 +148,20 @@ class Shape:
     # attention
     attention_at: tuple = ()
     dn: tuple = (0, 0, 0, 0, 0)
+    outside_bytes: float = 0.0  # GPU memory the kernels take outside PyTorch's allocator after the plan is made
 
     @classmethod
     def of(cls, mcfg: Qwen3Config, seq_len, cp, world, ranks_per_node, param_bytes=4, act_bytes=2,
            loss_chunk=2048, attn_backend="cudnn", stochastic_rounding=False, lora_rank=0, lora_targets=(),
-           quantize=""):
+           quantize="", deltanet_kernel="fla"):
         sparse = sum(map(mcfg.sparse, range(mcfg.num_hidden_layers))) if hasattr(mcfg, "sparse") else 0
         moe = (mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.moe_intermediate_size, sparse,
                getattr(mcfg, "shared_expert_intermediate_size", 0)) if sparse else (0,) * 5
         types = getattr(mcfg, "layer_types", None) or ()  # Qwen3.5's
         hybrid = dict(attention_at=tuple(i for i, t in enumerate(types) if t == "full_attention"),
                       dn=(mcfg.linear_num_key_heads, mcfg.linear_num_value_heads, mcfg.linear_key_head_dim,
-                          mcfg.linear_value_head_dim, mcfg.linear_conv_kernel_dim)) if types else {}
+                          mcfg.linear_value_head_dim, mcfg.linear_conv_kernel_dim),
+                      outside_bytes=FLA_OUTSIDE_BYTES if deltanet_kernel == "fla" else 0.0) if types else {}
         return cls(mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads,
                    mcfg.num_key_value_heads, mcfg.head_dim, mcfg.vocab_size, mcfg.tie_word_embeddings, seq_len, cp,
                    world, ranks_per_node, param_bytes, act_bytes, loss_chunk,
@@ -502,8 +510,9 @@ class NoFit(Exception):
 
 def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | None = None,
            k: Constants = FITTED) -> tuple[Levers, Cost]:
-    """The levers predicted to fit within GPU_MARGIN of gpu_gib per rank and HOST_MARGIN of the node's host
-    memory (shared by ranks_per_node ranks): among the plans within TIME_SLACK of the fastest, the one with the
+    """The levers predicted to fit within GPU_MARGIN of gpu_gib per rank (less what the kernels will hold outside
+    PyTorch's allocator, s.outside_bytes) and HOST_MARGIN of the node's host memory (shared by ranks_per_node
+    ranks): among the plans within TIME_SLACK of the fastest, the one with the
     lowest GPU peak, then the fastest, then the least pinned host memory. Headroom that costs no time is taken: a
     run near the GPU's limit is exposed to fragmentation and to anything else on the card. `fixed` holds the
     levers the user set, which win.
@@ -514,7 +523,8 @@ def choose(s: Shape, gpu_gib: float, host_gib_per_node: float, fixed: dict | Non
     a few tenths of a percent of the step for 2 x T x intermediate values: the most that fit, if together they
     save more than TIME_SLACK of the step (else the headroom is worth more)."""
     fixed = fixed or {}
-    gpu_cap, host_cap = GPU_MARGIN * gpu_gib * 2**30, HOST_MARGIN * host_gib_per_node * 2**30 / s.ranks_per_node
+    gpu_cap = GPU_MARGIN * gpu_gib * 2**30 - s.outside_bytes
+    host_cap = HOST_MARGIN * host_gib_per_node * 2**30 / s.ranks_per_node
     base = Levers(s.layers, s.layers, fixed.get("tiled_mlp", True), fixed.get("mlp_tile", 16384),
                   fixed.get("keep_mlp_layers", 0), fixed.get("deltanet_tile", 0))
     keeps = [fixed["keep_attention_layers"]] if "keep_attention_layers" in fixed else range(s.layers, -1, -1)

@@ -302,15 +302,16 @@ class GatedAttention(nn.Module):
         """x [B, T, H] -> [B, T, H]; attend(q, k, v[, doc_lens]) on [B, heads, T, D], as model.Attention calls it."""
         B, T, _ = x.shape
         q, gate = self.q_proj(x).view(B, T, self.hq, 2, self.hd).unbind(3)                   # [B, T, Hq, D] each
-        # both halves out of q_proj's output at once, so that no saved tensor is a view of it: q_norm keeps its
-        # input, and a view would keep the gate's half too (Hq x D a token, 4 GiB at 524,288 tokens)
-        q, gate = q.contiguous(), torch.sigmoid(gate)
+        # both halves copied out of q_proj's output at once, which is then freed: q_norm keeps its input, and a
+        # view of q would keep the whole output (Hq x D a token more, 4 GiB at 524,288 tokens at the 9B's heads)
+        q, gate = q.contiguous(), gate.contiguous()
         q = partial_rope(self.q_norm(q), cos, sin)                                            # [B, T, Hq, D]
         k = partial_rope(self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.hd)), cos, sin)  # [B, T, Hkv, D]
         v = self.v_proj(x).view(B, T, self.hkv, self.hd)
         o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *(() if doc_lens is None else (doc_lens,)))
         o = o.transpose(1, 2).reshape(B, T, self.hq * self.hd)                                # [B, T, Hq * D]
-        return self.o_proj(o * gate.reshape(B, T, -1))
+        # sigmoid after attention, so that its backward (and the output it keeps) comes before attention's
+        return self.o_proj(o * torch.sigmoid(gate).reshape(B, T, -1))
 
 
 class GatedDeltaNet(nn.Module):

@@ -212,20 +212,42 @@ def test_norms_match_transformers(dtype, tol):
             assert err < tol, (type(ours).__name__, name, dtype, err)
 
 
-def test_gated_attention_keeps_no_view_of_q_proj_s_output():
-    """What gated attention keeps for its backward (no recompute, to see every saved tensor): q and sigmoid(gate)
-    apart, and nothing that shares storage with q_proj's output. q_norm keeps its input, so a view of q's half kept
-    the gate's half alive too: Hq x head_dim values a token more (4 GiB at 524,288 tokens at the 9B's heads)."""
+def test_gated_attention_holds_neither_q_proj_s_output_nor_the_gate_in_attention_s_backward():
+    """What is alive of gated attention's saved tensors when attention's backward runs (the peak of a long run's
+    step): neither q_proj's output (q_norm keeps its input, and a view of q's half kept the gate's half alive too)
+    nor sigmoid(gate) (taken before attention, its backward came after attention's). Each is Hq x head_dim values
+    a token (4 GiB at 524,288 tokens at the 9B's heads). No recompute, so that every saved tensor is seen."""
+    import weakref
+
+    from model import causal_attention
+    seen = []  # at attention's backward: (shares q_proj's output's storage, equals sigmoid(gate)) per saved tensor
+
+    class Watch(torch.autograd.Function):  # identity on attention's output; its backward runs just before attention's
+        @staticmethod
+        def forward(ctx, o):
+            return o.view_as(o)
+
+        @staticmethod
+        def backward(ctx, grad):
+            for y in outputs:
+                gate = torch.sigmoid(y.view(*y.shape[:2], heads, 2, -1)[..., 1, :])  # q_proj gives query and gate
+                alive = [t for t in (r() for r in saved) if t is not None]
+                seen.append((any(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in alive),
+                             any(t.numel() == gate.numel() and torch.equal(t.reshape(-1), gate.reshape(-1))
+                                 for t in alive)))
+            return grad
+
     model = make_model(torch.float32).set_levers(recompute=False)
-    outputs, saved = [], []  # the tensors themselves: alive to the end, no address is reused
+    model.attn_fn = lambda q, k, v, *rest: Watch.apply(causal_attention(q, k, v, *rest))
+    heads, outputs, saved = model.cfg.num_attention_heads, [], []
     for block in model.layers:
         if not block.linear:
-            block.self_attn.q_proj.register_forward_hook(lambda m, i, y: outputs.append(y))
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        model(inputs()[0])
-    kept = {t.untyped_storage().data_ptr() for t in saved}
-    assert outputs and not any(y.untyped_storage().data_ptr() in kept for y in outputs), \
-        "a saved tensor keeps q_proj's output alive"
+            block.self_attn.q_proj.register_forward_hook(lambda m, i, y: outputs.append(y.detach()))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(weakref.ref(t)) or t, lambda t: t):
+        loss = model(inputs()[0]).float().square().mean()
+    loss.backward()
+    assert outputs and seen and not any(view for view, _ in seen), "a saved tensor keeps q_proj's output alive"
+    assert not any(gate for _, gate in seen), "sigmoid(gate) is alive in attention's backward"
 
 
 @pytest.mark.gpu

@@ -465,6 +465,24 @@ def test_qwen3_5_moe_steps_are_under_predicted_as_written_down():
         assert c.host_gib == pytest.approx(host, rel=1e-3)
 
 
+def test_qwen3_5_on_an_h100_at_trl_s_other_lengths_as_written_down():
+    """The 9B's LoRA at 65,536 and 262,144 tokens with --fit auto on one H100 (TRL's table's other two lengths):
+    the levers the plan chose then (fla's memory outside the allocator not yet kept free), its time within 5% at
+    the H200's rates (-4.0%, -3.6%), pinned host exact, and its memory: 3.9% over at 65k, **11.3% under** at 262k
+    (DeltaNet in pieces: the unsafe side, not traced; bench/NOTES.md "Next on a GPU", item 15). Pinned, not fitted:
+    a change to the memory terms that moves them fails here and should update the note."""
+    results = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06g")
+    for tokens, lv, memory in ((65536, plan.Levers(32, 32, keep_mlp_layers=12), 0.039),
+                               (262144, plan.Levers(32, 32, deltanet_tile=plan.DELTANET_TILE), -0.113)):
+        step_s, peak, host = second_step(results, f"q35_lora_{tokens}")
+        s = replace(q35_shape(tokens), attn_backend="cudnn")
+        c = plan.predict(s, lv)
+        assert abs(c.step_s / step_s - 1) < 0.05, (tokens, c.step_s, step_s)
+        assert c.gpu_gib / peak - 1 == pytest.approx(memory, abs=0.005), (tokens, c.gpu_gib, peak)
+        assert c.host_gib == pytest.approx(host, rel=1e-3)
+        assert plan.choose(replace(s, outside_bytes=0.0), 78.0, 126)[0] == lv  # --fit auto's choice on 78.0 free
+
+
 def test_qwen3_5_moe_qlora_fits_an_80_gb_gpu_as_planned():
     """The 35B-A3B with QLoRA (the routed experts in NF4 too) at 131k on one H100 80GB: 43.1 GiB at the peak, the
     plan's 50.0 on the safe side (+16%: the rest of the step's memory as the bf16 run over-counts it, +4.3%, and

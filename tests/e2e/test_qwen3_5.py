@@ -130,7 +130,8 @@ def test_fit_auto_plans_qwen3_5(tmp_path):
     from million.qwen3_5 import read_config
     from .test_plan import run_train
     folder = qwen3_5_folder(tmp_path)
-    s = plan.Shape.of(read_config(folder), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512)  # as run_train runs
+    s = plan.Shape.of(read_config(folder), 2048, 1, 1, 1, act_bytes=4, loss_chunk=512,  # as run_train runs it:
+                      deltanet_kernel="torch")                                             # the CPU's rule
     assert s.attn_layers == 1 and s.dn[:4] == (2, 4, 12, 10)
     gpu = plan.predict(s, plan.Levers(2, 4)).gpu_gib / plan.GPU_MARGIN * 1.0001  # fits with 2 of 4 blocks offloaded
     lv, cost = plan.choose(s, gpu, 100)

@@ -17,7 +17,8 @@
 #               80 GB GPU; torchao on the path)
 #   qlora_moe_long  the same at 524,288 tokens, 38 of 40 blocks offloaded (an H200: it ran out of memory on an H100)
 #   qlora_moe_262k  the same at 262,144 tokens, the DeltaNet in pieces of 16,384 (the levers plan.py picks for an H100)
-#   qlora_moe_393k  the same at 393,216 tokens, the levers --fit auto picks (the longest plan.py fits on an H100)
+#   qlora_moe_393k  the same at 393,216 tokens, the levers plan.py picked for an H100 before it kept fla's 6.4 GiB
+#               free (now it plans 360,448 there)
 #   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
@@ -62,7 +63,8 @@ job() {  # name: one job, its output into $Q/name
                         bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         qlora_moe_262k) MODEL=$MOE EXTRA="--quantize nf4 --deltanet_tile 16384" TIMEOUT=900 \
                         bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
-        qlora_moe_393k) MODEL=$MOE EXTRA="--quantize nf4 --fit auto" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:393216 ;;
+        qlora_moe_393k) MODEL=$MOE EXTRA="--quantize nf4 --deltanet_tile 16384 --keep_attention_layers 0" TIMEOUT=900 \
+                        bash bench/qwen3_5_gpu.sh "$d" lora:393216 ;;
         cut_long) MODEL=bench/configs/qwen3_5-35b-a3b-12l EXTRA="--quantize nf4 --deltanet_tile 16384 --max_steps 1 \
                   --profile_step 1" TIMEOUT=560 bash bench/qwen3_5_gpu.sh "$d" lora:524288 &&
                       python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_524288/profile > "$d/profile.txt" 2>&1

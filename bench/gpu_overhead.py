@@ -9,12 +9,17 @@ counts as used less what the allocator holds (reserved), both in MiB:
 """
 import argparse
 import datetime
+import functools
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("FLA_CACHE_RESULTS", "0")  # fla's autotuner runs here, not read from an earlier run's cache
 
 MIB = 2**20
 
@@ -55,18 +60,29 @@ def main():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
     torch.cuda.synchronize()
     row("cuDNN attention, head_dim 256, fwd + bwd")
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        T, H, D = 8192, 32, 128
-        qd, kd = (F.normalize(torch.randn(1, T, H, D, device="cuda"), dim=-1).bfloat16().requires_grad_()
+    try:  # what qwen3_5.build runs before a run trains on fla: the start-up check at the 9B's heads, whose
+        # first calls autotune fla's kernels (FLA_CACHE_RESULTS=0 below: each time, not from Triton's disk cache)
+        from million import deltanet
+        from million.deltanet import causal_conv, conv_disagreement, disagreement, fla_rule
+        with deltanet.local_memory_returned():
+            assert disagreement(fla_rule, 16, 32, 128, 128, length=16384) is None
+            row("fla start-up check (autotuned)")
+            assert conv_disagreement(functools.partial(causal_conv, kernel="fla"), 8192, 4, length=16384) is None
+            row("... and fla's conv")
+            assert disagreement(fla_rule, 16, 32, 128, 256, length=16384) is None
+            row("... and the rule's cp form (dv + dk value columns)")
+        row("local memory returned (deltanet.local_memory_returned)")
+        T, H, D = 131072, 32, 128  # then the configs it kept, at a step's length (one layer of the 9B at 131k)
+        qd, kd = (torch.randn(1, T, H // 2, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                   for _ in range(2))
         vd = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g = F.logsigmoid(torch.randn(1, T, 32, device="cuda")).requires_grad_()
-        beta = torch.rand(1, T, 32, device="cuda", dtype=torch.bfloat16).requires_grad_()
-        o, _ = chunk_gated_delta_rule(qd, kd, vd, g, beta)
+        g = F.logsigmoid(torch.randn(1, T, H, device="cuda")).requires_grad_()
+        beta = torch.rand(1, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        o, _ = fla_rule(qd, kd, vd, g, beta, final=False)
         o.float().sum().backward()
         torch.cuda.synchronize()
-        row("fla chunk_gated_delta_rule fwd + bwd")
+        del qd, kd, vd, g, beta, o
+        row("fla fwd + bwd at 131,072 tokens, the kept configs")
     except Exception as e:  # not installed, or refused (fla on Triton < 3.7.1 on Hopper)
         print(f"fla: {type(e).__name__}: {e}"[:200])
     try:

@@ -20,6 +20,8 @@
 #   qlora_moe_393k  the same at 393,216 tokens, the levers plan.py picked for an H100 before it kept fla's 6.4 GiB
 #               free (now it plans 360,448 there)
 #   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak
+#   mem262      the 9B's LoRA at 262,144 tokens with the levers --fit auto picked for an H100 in `table` (every block
+#               offloaded, the DeltaNet in pieces of 16,384): its peak after gated attention's q and gate fix
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens, the levers --fit auto picks (TRL's table's other two
@@ -69,6 +71,7 @@ job() {  # name: one job, its output into $Q/name
                   --profile_step 1" TIMEOUT=560 bash bench/qwen3_5_gpu.sh "$d" lora:524288 &&
                       python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_524288/profile > "$d/profile.txt" 2>&1
                   cp /tmp/q35-35b-a3b_lora_524288/profile/summary.json "$d/" ;;
+        mem262) EXTRA="--deltanet_tile 16384" TIMEOUT=480 bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         longest) EXTRA="--fit auto" TIMEOUT=1200 bash bench/qwen3_5_gpu.sh "$d" lora:589824 ;;
         table) EXTRA="--fit auto" bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;

@@ -12,6 +12,7 @@ at a rank's 131,072 tokens, less than the traffic of an all-to-all to head-paral
     python -m pytest tests/test_qwen3_5.py -q
 """
 import bisect
+import contextlib
 import functools
 import itertools
 import math
@@ -140,6 +141,33 @@ def fla_rule(q, k, v, g, beta, state=None, final=True):
     return _fla_kernel()(q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1] ** -0.5,
                          initial_state=None if state is None else state.float(), output_final_state=final,
                          use_qk_l2norm_in_kernel=True)
+
+
+@contextlib.contextmanager
+def local_memory_returned():
+    """Around fla's first calls (the start-up check, where its autotuner runs): afterwards, shrink CUDA's
+    local-memory reservation back to the stack size it had before. CUDA reserves local memory (register spills,
+    the stack) for the largest frame any kernel launched so far needed, times every thread the GPU can hold
+    (2,048 on each of an H100's 132 SMs), and keeps it at that mark, outside PyTorch's allocator. fla's autotuner
+    launches every candidate config once, heavily spilling ones too; the configs it keeps need far less, and
+    later launches grow the reservation again only as far as they need. Setting the stack limit makes the driver
+    reallocate it: first to 0, so that the second call, back to the size before, is not taken for a no-op."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")  # the driver torch runs on; its current context is torch's
+    before, limit = ctypes.c_size_t(), 0  # CU_LIMIT_STACK_SIZE
+    ok = cuda.cuCtxGetLimit(ctypes.byref(before), limit) == 0
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        if not (ok and cuda.cuCtxSetLimit(limit, ctypes.c_size_t(0)) == 0
+                and cuda.cuCtxSetLimit(limit, before) == 0):
+            import warnings
+            warnings.warn("cuCtxSetLimit failed: the local memory fla's autotuner reserved stays held outside "
+                          "PyTorch's allocator (6.4 GiB on an H100), which --fit auto does not plan for", stacklevel=3)
 
 
 def disagreement(rule, key_heads, value_heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300,

@@ -7,7 +7,20 @@ import math
 import statistics
 import time
 
+import torch
+import torch.distributed as dist
+
 from million.evaluate import peak_memory
+
+
+def outside_allocator_gib(device) -> float:
+    """What the driver counts as used on the GPU beyond what PyTorch's allocator reserves (the CUDA context, the
+    libraries' handles, NCCL's buffers, kernels' local memory; other processes' too), the largest over ranks, in
+    GiB: what the margin plan.py leaves must cover."""
+    free, total = torch.cuda.mem_get_info()
+    x = torch.tensor([total - free - torch.cuda.memory_reserved()], dtype=torch.float64, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item() / 2**30
 
 
 def clock(seconds: float) -> str:
@@ -82,6 +95,8 @@ class Meter:
                    host_pinned_gib=(offload.host_bytes() if offload is not None else 0) / 2**30,
                    loss_by_position=by_position,  # [--loss_buckets] means over equal spans of position
                    skipped_rows=self.run.batches.skipped)  # rows of the data left out so far, text or not
+        if cfg.device == "cuda":
+            rec["outside_gib"] = outside_allocator_gib(setup.device)
         if aux_loss is not None:
             rec["aux_loss"] = aux_loss
         if getattr(batch[0], "doc_lens", None) is not None:  # packed documents: what the windows held

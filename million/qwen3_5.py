@@ -533,23 +533,29 @@ def build(cfg, mcfg: Qwen3_5Config, attn_fn, cp_group) -> Qwen3_5:
     id's; a local folder's are refused before start-up by config.check_config)."""
     from million import documents
     from million.survival import SharedError
-    why = check_flags(cfg, cp_group.size() if cp_group else 1, mcfg)
+    cp = cp_group.size() if cp_group else 1
+    why = check_flags(cfg, cp, mcfg)
     if why:
         raise SharedError(f"error: {why}")
     layout = functools.partial(documents.cp_layout, balanced=cfg.doc_attention == "balanced")
     kernel, slow = resolve_kernel(cfg.deltanet_kernel), None
     if kernel == "fla":  # checked against the torch rule at this model's head dims before it trains anything,
         # at a length that fills the GPU: fla's autotuner keys on the head dims, not the length, so the configs
-        # it picks here are the ones the run keeps
+        # it picks here are the ones the run keeps. Under cp also with dk more value columns (the span
+        # summaries' form, DeltaNetMixer.rule), so that no config is tuned later, when the GPU is full
         gpu = torch.device("cuda", torch.cuda.current_device())
         dk, dv = mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
-        with gpu:  # build runs under train.py's meta device: whatever the kernels allocate goes to the GPU
+        with gpu, deltanet.local_memory_returned():  # build runs under train.py's meta device: whatever the
+            # kernels allocate goes to the GPU; what the autotuner's spilling configs reserved is given back
             dtype = getattr(torch, cfg.dtype)
             try:
-                why = deltanet.disagreement(deltanet.fla_rule, mcfg.linear_num_key_heads,
-                                            mcfg.linear_num_value_heads, dk, dv, dtype, gpu, length=16384) or \
-                    deltanet.conv_disagreement(functools.partial(causal_conv, kernel="fla"), mcfg.linear_conv_dim,
-                                               mcfg.linear_conv_kernel_dim, dtype, gpu, length=16384)
+                why = None
+                for width in (dv, dv + dk) if cp > 1 else (dv,):
+                    why = why or deltanet.disagreement(deltanet.fla_rule, mcfg.linear_num_key_heads,
+                                                       mcfg.linear_num_value_heads, dk, width, dtype, gpu, length=16384)
+                why = why or deltanet.conv_disagreement(functools.partial(causal_conv, kernel="fla"),
+                                                        mcfg.linear_conv_dim, mcfg.linear_conv_kernel_dim, dtype, gpu,
+                                                        length=16384)
             except torch.AcceleratorError as e:  # a fault leaves the GPU unusable: no falling back in this process
                 # (fla at dk 32, dv 64 on an H100: bench/NOTES.md, "Next on a GPU" item 6)
                 raise SystemExit(f"error: fla's DeltaNet kernels faulted at dk {dk}, dv {dv} on this GPU "

@@ -493,6 +493,26 @@ def test_the_start_up_check_passes_fla_at_the_9b_head_dims():
 
 
 @pytest.mark.gpu
+def test_the_local_memory_a_spilling_launch_reserved_is_given_back():
+    """deltanet.local_memory_returned, around the start-up check: CUDA grows its local-memory reservation for the
+    most spilling kernel launched (fla's autotuner tries such configs) and keeps it. Here the growth is made the
+    way the driver makes it for a launch, by raising the stack limit to 32 KB a thread (8 GiB on an H100); on
+    leaving, the memory outside PyTorch's allocator is back where it was."""
+    import ctypes
+    from million.deltanet import local_memory_returned
+
+    def outside():
+        free, total = torch.cuda.mem_get_info()
+        return total - free - torch.cuda.memory_reserved()
+    torch.cuda.init()
+    start = outside()
+    with local_memory_returned():
+        assert ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, ctypes.c_size_t(32 << 10)) == 0
+        assert outside() - start > 2 * 2**30, (outside() - start) / 2**30
+    assert outside() - start < 2**28, (outside() - start) / 2**30
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("docs", [None, DOCS])
 def test_fla_model_matches_the_torch_model(docs):
     """The tiny model in bf16 on the GPU, DeltaNet layers on fla against the same weights on the torch rule: the

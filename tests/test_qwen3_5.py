@@ -483,6 +483,26 @@ def test_a_kernel_fault_in_the_start_up_check_stops_in_one_line(monkeypatch):
                             "illegal memory access was encountered); pass --deltanet_kernel torch"), e.value.code
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_start_up_check_tunes_every_shape_the_run_calls(monkeypatch, cp):
+    """fla's autotuner keys on the head counts and dims: the start-up check calls the rule at the model's, and under
+    cp also with dk more value columns (the span summaries' form, DeltaNetMixer.rule), so that no config is tuned
+    mid-run, when the GPU is full."""
+    from million import config, deltanet, qwen3_5
+    seen = []
+    monkeypatch.setattr(qwen3_5, "resolve_kernel", lambda kernel: "fla")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(deltanet, "disagreement", lambda rule, nk, nv, dk, dv, *a, **k: seen.append((nk, nv, dk, dv)))
+    monkeypatch.setattr(deltanet, "conv_disagreement", lambda *a, **k: None)
+    cfg, _ = config.parse_args(["--config", "demo"])
+    mcfg = Qwen3_5Config.tiny()
+    group = type("Group", (), {"size": lambda self: cp})()
+    assert isinstance(qwen3_5.build(cfg, mcfg, None, group if cp > 1 else None), qwen3_5.Qwen3_5)
+    heads = (mcfg.linear_num_key_heads, mcfg.linear_num_value_heads, mcfg.linear_key_head_dim)
+    dv = mcfg.linear_value_head_dim
+    assert seen == [(*heads, dv)] + ([(*heads, dv + heads[2])] if cp > 1 else [])
+
+
 @pytest.mark.gpu
 def test_the_start_up_check_passes_fla_at_the_9b_head_dims():
     from million.deltanet import causal_conv, conv_disagreement, disagreement, fla_rule, fla_unavailable

@@ -17,8 +17,8 @@
 #               80 GB GPU; torchao on the path)
 #   qlora_moe_long  the same at 524,288 tokens, 38 of 40 blocks offloaded (an H200: it ran out of memory on an H100)
 #   qlora_moe_262k  the same at 262,144 tokens, the DeltaNet in pieces of 16,384 (the levers plan.py picks for an H100)
-#   qlora_moe_393k  the same at 393,216 tokens, the levers plan.py picked for an H100 before it kept fla's 6.4 GiB
-#               free (now it plans 360,448 there)
+#   qlora_moe_393k  the same at 393,216 tokens with --fit auto (an H100: every block offloaded and keeping
+#               attention, the DeltaNet in pieces of 16,384; 142.6 s at the H200's rates, 66.2 GiB predicted)
 #   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak
 #   mem262      the 9B's LoRA at 262,144 tokens with the levers --fit auto picked for an H100 in `table` (every block
 #               offloaded, the DeltaNet in pieces of 16,384): its peak after gated attention's q and gate fix
@@ -65,7 +65,7 @@ job() {  # name: one job, its output into $Q/name
                         bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         qlora_moe_262k) MODEL=$MOE EXTRA="--quantize nf4 --deltanet_tile 16384" TIMEOUT=900 \
                         bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
-        qlora_moe_393k) MODEL=$MOE EXTRA="--quantize nf4 --deltanet_tile 16384 --keep_attention_layers 0" TIMEOUT=900 \
+        qlora_moe_393k) MODEL=$MOE EXTRA="--quantize nf4 --fit auto" TIMEOUT=900 \
                         bash bench/qwen3_5_gpu.sh "$d" lora:393216 ;;
         cut_long) MODEL=bench/configs/qwen3_5-35b-a3b-12l EXTRA="--quantize nf4 --deltanet_tile 16384 --max_steps 1 \
                   --profile_step 1" TIMEOUT=560 bash bench/qwen3_5_gpu.sh "$d" lora:524288 &&

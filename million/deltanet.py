@@ -167,7 +167,7 @@ def local_memory_returned():
                 and cuda.cuCtxSetLimit(limit, before) == 0):
             import warnings
             warnings.warn("cuCtxSetLimit failed: the local memory fla's autotuner reserved stays held outside "
-                          "PyTorch's allocator (6.4 GiB on an H100), which --fit auto does not plan for", stacklevel=3)
+                          "PyTorch's allocator (6.5 GiB on an H100), which --fit auto does not plan for", stacklevel=3)
 
 
 def disagreement(rule, key_heads, value_heads, dk, dv, dtype=torch.bfloat16, device="cuda", tol=2e-2, length=300,

@@ -35,7 +35,8 @@
 #   attn_ab     the 9B's LoRA step at 131,072 tokens with --attn_backend fa4, then cudnn (head_dim 256)
 #   rows        bench/moe_rows.py: one MoE tile's row permutations and weighted sum, timed both ways
 #   fa4_groups  FA4's backward over head groups (one head a call, dK/dV summed) against one call, on the GPU
-#   overhead    bench/gpu_overhead.py: what a process holds on the GPU outside PyTorch's allocator, stage by stage
+#   overhead    bench/gpu_overhead.py: what a process holds on the GPU outside PyTorch's allocator, stage by stage; 10 min with
+#               Triton's cache cold (fla's autotuner runs each time)
 set -u
 Q=/tmp/queue
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
@@ -90,7 +91,7 @@ job() {  # name: one job, its output into $Q/name
         profile_experts) profiled $AD,experts "$d" ;;
         attn_ab) for b in fa4 cudnn; do EXTRA="--attn_backend $b" bash bench/qwen3_5_gpu.sh "$d/$b" lora:131072; done ;;
         fa4_groups) timeout 300 python -m pytest -m gpu -p no:xdist tests/test_fa4.py -k head_groups > "$d/fa4_groups.log" 2>&1 ;;
-        overhead) timeout 300 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/gpu_overhead.py \
+        overhead) timeout 600 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/gpu_overhead.py \
                       --out "$d/overhead.json" > "$d/overhead.log" 2>&1 ;;
         rows) timeout 200 python bench/moe_rows.py --out "$d/moe_rows.json" > "$d/moe_rows.log" 2>&1 ;;
         *) echo "unknown job $1" > "$d/error.txt" ;;

@@ -35,8 +35,8 @@
 #   attn_ab     the 9B's LoRA step at 131,072 tokens with --attn_backend fa4, then cudnn (head_dim 256)
 #   rows        bench/moe_rows.py: one MoE tile's row permutations and weighted sum, timed both ways
 #   fa4_groups  FA4's backward over head groups (one head a call, dK/dV summed) against one call, on the GPU
-#   overhead    bench/gpu_overhead.py: what a process holds on the GPU outside PyTorch's allocator, stage by stage; 10 min with
-#               Triton's cache cold (fla's autotuner runs each time)
+#   overhead    bench/gpu_overhead.py: what a process holds on the GPU outside PyTorch's allocator, stage by stage
+#               (up to 10 minutes: fla's autotuner runs each time, and Triton's cache may be cold)
 set -u
 Q=/tmp/queue
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj

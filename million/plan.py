@@ -97,7 +97,7 @@ GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacitie
                                       # the fitted runs) and the memory the OS and page cache need
 # What fla's Triton kernels (Qwen3.5's DeltaNet layers) hold on the GPU outside PyTorch's allocator during a run,
 # which appears after the plan reads the free memory: the local memory (spills) of the configs its autotuner kept.
-# Its autotuner's trials reserve 6.7 GiB more at the start-up check, which qwen3_5.build gives back
+# Its autotuner's trials reserve 6.5 GiB more at the start-up check, which qwen3_5.build gives back
 # (deltanet.local_memory_returned). Measured on an H100 (bench/gpu_overhead.py, 2026-12-07): 308 MiB after the
 # check and a forward and backward at 131,072 tokens on the kept configs; rounded up to 0.5 GiB for the variants
 # not measured (from a state, the cp form's dk more value columns). Taken off the card before the plan is fitted.

@@ -6,8 +6,10 @@
 #   bash bench/gpu_wheels.sh download   # here: unpack every wheel into one tree, pack it as tar.xz (168 MB, from
 #                                       # 1 GB), cut it in three: .whl/p1 ... .whl/p3 (54 MiB each: a call
 #                                       # carries 64 MiB, the working tree included)
-#   bash bench/gpu_wheels.sh stage      # there, in calls that carry .whl/p1, then p2: copy them to /tmp/gpu_wheels
-#   bash bench/gpu_wheels.sh install    # there, in the next call, carrying .whl/p3: join, unpack into /tmp/site
+#   bash bench/gpu_wheels.sh download fla   # fla, Triton 3.7.1 and torchao only (no FA4: attention on cuDNN, which
+#                                       # an H100 takes anyway), in two parts: .whl/f1, .whl/f2
+#   bash bench/gpu_wheels.sh stage      # there, in calls that carry .whl/p1, then p2 (or f1): copy to /tmp/gpu_wheels
+#   bash bench/gpu_wheels.sh install    # there, in the next call, carrying .whl/p3 (or f2): join, unpack into /tmp/site
 #   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 #
 # Wheels are unpacked (python3 -m zipfile -e), not pip-installed: no resolver, nothing of the image's own packages
@@ -20,10 +22,12 @@ WHEELS=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs
         nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2"
         torch-c-dlpack-ext quack-kernels triton==3.7.1 fla-core==0.6.0 einops)
 STAGE=/tmp/gpu_wheels
+P=p; N=3
+if [ "${2:-}" = fla ]; then WHEELS=(triton==3.7.1 fla-core==0.6.0 einops torchao==0.18.0); P=f; N=2; fi
 
 case "${1:-}" in
 download)
-    rm -rf .whl/all .whl/site .whl/p? && mkdir -p .whl/all .whl/site .whl/p1 .whl/p2 .whl/p3
+    rm -rf .whl/all .whl/site .whl/$P? && mkdir -p .whl/all .whl/site && for i in $(seq $N); do mkdir .whl/$P$i; done
     for w in "${WHEELS[@]}"; do
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -33,24 +37,27 @@ download)
     rm -rf .whl/site/*.pth .whl/site/triton/backends/nvidia/lib/cupti .whl/site/triton/_C/libproton.so \
         .whl/site/triton/instrumentation .whl/site/triton/backends/nvidia/bin/ptxas-blackwell
     tar -cf - -C .whl site | xz -T0 -6 > .whl/site.tar.xz
-    split -n 3 .whl/site.tar.xz .whl/site.tar.xz.part
-    i=1; for part in .whl/site.tar.xz.parta?; do mv "$part" ".whl/p$i/"; i=$((i + 1)); done
+    split -n $N .whl/site.tar.xz .whl/site.tar.xz.part
+    i=1; for part in .whl/site.tar.xz.parta?; do mv "$part" ".whl/$P$i/"; i=$((i + 1)); done
     rm -rf .whl/site .whl/site.tar.xz
-    du -sh .whl/p?
+    du -sh .whl/$P?
     ;;
 stage)
-    mkdir -p $STAGE && cp .whl/p?/* $STAGE/ && ls $STAGE
+    mkdir -p $STAGE && cp .whl/[pf]?/* $STAGE/ && ls $STAGE
     ;;
 install)
-    cp .whl/p?/* $STAGE/
+    cp .whl/[pf]?/* $STAGE/
     cat $STAGE/site.tar.xz.parta? | tar -xJf - -C /tmp
     chmod +x /tmp/site/triton/backends/nvidia/bin/*          # zipfile -e drops the mode bits: ptxas must run
     rm -rf $STAGE
-    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages python3 -c "import flash_attn.cute, cutlass, \
-triton, fla.ops.gated_delta_rule; print('flash_attn.cute', cutlass.__version__, 'triton', triton.__version__)"
+    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages python3 -c "import triton, fla.ops.gated_delta_rule
+try:
+    import flash_attn.cute, cutlass; print('flash_attn.cute', cutlass.__version__)
+except ImportError: print('no FA4: attention on cuDNN')
+print('triton', triton.__version__)"
     ;;
 *)
-    echo "usage: bash bench/gpu_wheels.sh download|stage|install" >&2
+    echo "usage: bash bench/gpu_wheels.sh download [fla]|stage|install" >&2
     exit 2
     ;;
 esac

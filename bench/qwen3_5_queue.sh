@@ -2,7 +2,8 @@
 # Qwen3.5's GPU jobs, queued: it runs in the background on the GPU machine, so that it goes on
 # between the calls that watch it (a call lasts 10 minutes at most; a run of 524,288 tokens takes about as long).
 #
-#   bash bench/qwen3_5_queue.sh start JOB...   # in the call that installs the wheels (bench/gpu_wheels.sh)
+#   bash bench/qwen3_5_queue.sh start JOB...   # in the call that installs the wheels (bench/gpu_wheels.sh; its
+#                                              # `download fla` bundle, two calls, when FA4 is not wanted)
 #   bash bench/qwen3_5_queue.sh wait OUT SECS  # in the next calls: wait for the queue to end or for SECS seconds,
 #                                              # then copy everything it wrote so far into OUT
 #
@@ -22,6 +23,8 @@
 #   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak
 #   mem262      the 9B's LoRA at 262,144 tokens with the levers --fit auto picked for an H100 in `table` (every block
 #               offloaded, the DeltaNet in pieces of 16,384): its peak after gated attention's q and gate fix
+#   trace262    mem262's run, one step traced: what is alive at its peak (54.0 GiB against the plan's 49.2; gated
+#               attention's backward, itemized on the cut's trace, comes to about 51 there)
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens, the levers --fit auto picks (TRL's table's other two
@@ -73,6 +76,10 @@ job() {  # name: one job, its output into $Q/name
                       python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_524288/profile > "$d/profile.txt" 2>&1
                   cp /tmp/q35-35b-a3b_lora_524288/profile/summary.json "$d/" ;;
         mem262) EXTRA="--deltanet_tile 16384" TIMEOUT=480 bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
+        trace262) EXTRA="--deltanet_tile 16384 --max_steps 1 --profile_step 1" TIMEOUT=480 \
+                  bash bench/qwen3_5_gpu.sh "$d" lora:262144 &&
+                      python bench/profile_step.py --dir /tmp/q35_lora_262144/profile > "$d/profile.txt" 2>&1
+                  cp /tmp/q35_lora_262144/profile/summary.json "$d/" ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         longest) EXTRA="--fit auto" TIMEOUT=1200 bash bench/qwen3_5_gpu.sh "$d" lora:589824 ;;
         table) EXTRA="--fit auto" bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;

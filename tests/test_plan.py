@@ -468,12 +468,17 @@ def test_qwen3_5_moe_steps_are_under_predicted_as_written_down():
 def test_qwen3_5_on_an_h100_at_trl_s_other_lengths_as_written_down():
     """The 9B's LoRA at 65,536 and 262,144 tokens with --fit auto on one H100 (TRL's table's other two lengths):
     the levers the plan chose then (fla's memory outside the allocator not yet kept free), its time within 5% at
-    the H200's rates (-4.0%, -3.6%), pinned host exact, and its memory: 3.9% over at 65k, **11.3% under** at 262k
-    (DeltaNet in pieces: the unsafe side, not traced; bench/NOTES.md "Next on a GPU", item 15). Pinned, not fitted:
-    a change to the memory terms that moves them fails here and should update the note."""
-    results = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06g")
-    for tokens, lv, memory in ((65536, plan.Levers(32, 32, keep_mlp_layers=12), 0.039),
-                               (262144, plan.Levers(32, 32, deltanet_tile=plan.DELTANET_TILE), -0.113)):
+    the H200's rates (-4.0%, -3.6%), pinned host exact, and its memory: 3.9% over at 65k, **8.9% under** at 262k
+    (DeltaNet in pieces: the unsafe side). The 262k run is the later one, with gated attention's q and gate copied
+    out and its sigmoid after attention (54.0 GiB; 55.5, 11.3% under, before). Attention's backward, itemized on
+    the 35B-A3B's traced cut and scaled to the 9B, comes to about 51 GiB there: the 9B's peak is in another phase,
+    not traced yet (bench/NOTES.md, "The gate's fix, measured"). Pinned, not fitted: a change to the memory terms
+    that moves them fails here and should update the note."""
+    before = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06g")
+    after = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-07b")
+    for tokens, lv, memory, results in (
+            (65536, plan.Levers(32, 32, keep_mlp_layers=12), 0.039, before),
+            (262144, plan.Levers(32, 32, deltanet_tile=plan.DELTANET_TILE), -0.089, after)):
         step_s, peak, host = second_step(results, f"q35_lora_{tokens}")
         s = replace(q35_shape(tokens), attn_backend="cudnn")
         c = plan.predict(s, lv)
@@ -506,8 +511,9 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
     59.7 GiB at 524,288, which ran out of memory past 70.9 GiB; a 12-layer cut traced there held 118 KB a token at
     its peak (bench/results/qwen3_5_h100_2026-12-06e/cut_profile.txt). By the query width: +2.4% and +5.0%, on the
     safe side, and 524,288 tokens no longer planned for this card. Since, the attention backward runs 4 of a K/V
-    head's 8 query heads a call, not 8 (parallel._by_head_groups): the cut then held 60.9 GiB, and the plan, which
-    does not count heads a call, is 13.6% over it (pinned here)."""
+    head's 8 query heads a call, not 8 (parallel._by_head_groups): the cut then held 60.9 GiB; and since gated
+    attention copies q and the gate out of q_proj's output and takes the sigmoid after attention, 56.9 GiB (as
+    predicted). The plan, which counts neither, is 21.6% over it, on the safe side (pinned here)."""
     import json
     from million import lora
     d = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06e")
@@ -522,10 +528,10 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
         c = plan.predict(s, plan.Levers(s.layers, s.layers, deltanet_tile=16384))
         assert 0.0 < c.gpu_gib / peak - 1 < 0.06, (model, c.gpu_gib, peak)
         assert c.host_gib == pytest.approx(host, rel=1e-3)
-    with open(os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06f",
+    with open(os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-07b",
                            "cut_q35-35b-a3b_lora_524288.metrics.jsonl")) as fh:
-        split = json.loads(fh.readline())["peak_mem_gib"]
-    assert c.gpu_gib / split - 1 == pytest.approx(0.136, abs=0.005), (c.gpu_gib, split)
+        now = json.loads(fh.readline())["peak_mem_gib"]
+    assert c.gpu_gib / now - 1 == pytest.approx(0.216, abs=0.005), (c.gpu_gib, now)
     s = plan.Shape.of(hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b")), 524288, 1, 1, 1,
                       attn_backend="cudnn", lora_rank=16, lora_targets=lora.ATTENTION + lora.DELTANET,
                       quantize="nf4")

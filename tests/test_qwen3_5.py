@@ -895,8 +895,7 @@ def test_fla_model_matches_the_torch_model_under_the_interpreter(world, tmp_path
             --dist worksteal       # 3.5 minutes on 2 cores; in .ci/run
     """
     need_interpreter()
-    # a generous limit: in .ci/run this tier runs at the lowest CPU priority beside the end-to-end tier
-    ranks = run_ranks(world, tmp_path, timeout=1800, main=_fla_main)
+    ranks = run_ranks(world, tmp_path, timeout=900, main=_fla_main)
     for docs in (None, DOCS):
         got = [r[docs] for r in ranks]
         assert_matches_the_torch_model(cp_unshard([r["hidden"] for r in got], 1, documents.cp_layout(world, docs)),

@@ -151,9 +151,8 @@ def local_memory_returned():
     (2,048 on each of an H100's 132 SMs), and keeps it at that mark, outside PyTorch's allocator. fla's autotuner
     launches every candidate config once, heavily spilling ones too; the configs it keeps need far less (at the
     9B's heads on an H100: 6.5 GiB for the trials, 0.3 for the kept; bench/RESULTS.md), and later launches grow
-    the reservation again only as far as they need. Setting the stack limit makes the driver
-    reallocate it: first to 0, then back to the size before (a call with the size it already has might be
-    taken for a no-op)."""
+    the reservation again only as far as they need. Setting the stack limit makes the driver reallocate it:
+    first to 0, then back to the size before (a call with the size it already has might be taken for a no-op)."""
     if not torch.cuda.is_available():
         yield
         return

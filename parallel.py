@@ -383,18 +383,23 @@ def ring_attention(q, k, v, group, kernels=None):
 # ---------------------------------------------------------------------------------------------
 
 def shard_model(model, mesh, param_dtype, reduce_dtype=torch.float32):
-    """FSDP2 over every rank of `mesh`: each block is its own unit, then the root (embedding, final norm, head).
+    """FSDP2 over every rank of `mesh`: each block is a unit, the final norm one, then the root (embedding, head).
 
-    The root is not resharded after forward: it owns the head weight used by the loss at the end of forward
-    and, when tied, the embedding used at the start, so it stays gathered until its backward has run.
+    The final norm is a unit of its own: its backward reads its weight. The rest of the root serves the forward
+    alone: the loss makes the head's gradients during the forward (loss.py), and the embedding's backward reads
+    no weight. So the root is resharded after its forward and not gathered again in backward: its full copy
+    (V x H twice when the head is untied: 3.8 GiB for Qwen3.5-9B) is not held through the blocks' backward,
+    where the peak is.
     Gradients are summed, not averaged, over ranks: the loss is already divided by the global token count,
     and ranks of one context-parallel group hold different parts of the same sequence."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    for m in (*model.layers, model):
+    fully_shard(model.norm, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    model.set_unshard_in_backward(False)
+    for m in (*model.layers, model.norm, model):
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM, and 1.0 needs none
     return model

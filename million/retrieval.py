@@ -242,17 +242,17 @@ def lay_needles(sents: list[list[int]], needles: list[list[int]], depths: list[f
 # 2. Scoring: one forward per window under the ring, the head on the answer rows alone
 # =============================================================================================
 
-def head_weight(model):
-    """The full head weight [V, H]. Under FSDP2 the root's parameters are gathered first (a no-op right after a
-    forward: parallel.shard_model keeps the root gathered from its forward to its backward)."""
-    if hasattr(model, "unshard"):
+def row_logits(model, hidden):
+    """hidden [n, H] @ the head's weight.T -> [n, V] fp32 logits of a few rows: the answer rows alone, never
+    [T, V]. Under FSDP2 the root is gathered for it and resharded after (parallel.shard_model gathers it in the
+    forward alone)."""
+    fsdp = hasattr(model, "unshard")
+    if fsdp:
         model.unshard()
-    return model.head_weight()
-
-
-def row_logits(hidden, weight):
-    """hidden [n, H] @ weight.T -> [n, V] fp32 logits of a few rows: the answer rows alone, never [T, V]."""
-    return mm_fp32(hidden, weight.T)
+    logits = mm_fp32(hidden, model.head_weight().T)
+    if fsdp:
+        model.reshard()
+    return logits
 
 
 def answer_rows(w: Window) -> torch.Tensor:
@@ -281,7 +281,7 @@ def score(model, windows: list[Window], cp_group=None, dp_rank: int = 0, dp: int
                                       for x in (w.ids[:-1], w.labels(), index, torch.arange(w.length)))
         h = model(inputs[None], pos[None])[0]                                      # [L/cp, H]
         mine = (index >= 0).nonzero().squeeze(1)                                   # this rank's answer rows
-        logits = row_logits(h.index_select(0, mine), head_weight(model))           # [m, V] fp32
+        logits = row_logits(model, h.index_select(0, mine))                       # [m, V] fp32
         nll = torch.logsumexp(logits, 1) - logits.gather(1, labels[mine, None]).squeeze(1)
         if i == first + dp_rank:  # not a repeat
             at = offsets[i] + index[mine]

@@ -322,6 +322,32 @@ def test_keep_attention_skips_the_attention_recompute(group_of_one):
         assert len(calls) == expected, (keep, len(calls))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_gathers_the_root_in_forward_only(tied, group_of_one):
+    """parallel.shard_model: the root's embedding and head are sharded again from the end of the forward through
+    the blocks' backward (their full copy is not held where the peak is), and the loss and every gradient
+    (embedding, final norm and head included, which the root's post-backward reduces) are the unsharded model's."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    import parallel
+    cfg = tiny(tie_word_embeddings=tied)
+    gen = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 97, (1, 29), generator=gen), torch.randint(0, 97, (1, 29), generator=gen)
+    ref_loss, ref_grads = loss_and_grads(random_model(cfg).set_levers(recompute=True), ids, labels)
+    m = random_model(cfg).set_levers(recompute=True)
+    parallel.shard_model(m, DeviceMesh.from_group(group_of_one, "cpu"), torch.float64, reduce_dtype=torch.float64)
+    root = [m.embed_tokens] + ([] if tied else [m.lm_head])
+    sharded = []  # per block backward: is each root weight the sharded DTensor (its full copy freed)?
+    for b in m.layers:
+        b.register_full_backward_pre_hook(lambda *_: sharded.append([isinstance(r.weight, DTensor) for r in root]))
+    loss, grads = loss_and_grads(m, ids, labels)
+    assert sharded == [[True] * len(root)] * cfg.num_hidden_layers
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(g.full_tensor(), ref_grads[n], rtol=1e-12, atol=1e-12, msg=n)
+
+
 def test_checkpoint_keeps_only_block_inputs():
     """Saved-tensor bytes: with checkpointing the graph holds one [B, T, H] input per block (+ cos/sin)."""
     m = random_model(tiny(), dtype=torch.float32)

@@ -365,6 +365,20 @@ def test_checkpoint_keeps_only_block_inputs():
     assert ckpt < full / 4, (ckpt, full)
 
 
+
+def test_recomputed_block_frees_its_output_before_its_backward():
+    """The recompute's output y (the residual add's, whose backward reads no value) holds no memory while the
+    block's backward runs: its MLP's and attention's backward meet an empty storage."""
+    m = random_model(tiny(), dtype=torch.float32).set_levers(recompute=True)
+    blk, outs, sizes = m.layers[1], [], []
+    body = blk.body
+    blk.body = lambda *a, **kw: outs.append(body(*a, **kw)) or outs[-1]
+    blk.mlp.register_full_backward_pre_hook(lambda *_: sizes.append(outs[-1].untyped_storage().size()))
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(1))
+    m(ids, labels=ids, loss_chunk=16).loss_sum.backward()
+    assert len(outs) == 2 and outs[0].untyped_storage().size() > 0  # the forward's output is the next block's input
+    assert sizes == [0]
+
 # --- HF checkpoints ---------------------------------------------------------------------------
 
 def hf_config(style, **kw):

@@ -25,10 +25,11 @@
 #               offloaded, the DeltaNet in pieces of 16,384): its peak after gated attention's q and gate fix
 #   trace262    mem262's run, one step traced: what is alive at its peak (54.0 GiB against the plan's 49.2; gated
 #               attention's backward, itemized on the cut's trace, comes to about 51 there)
-#   root_ab     the 9B's first 4 layers (3 DeltaNet, 1 attention; bench/configs/qwen3_5-9b-4l) at 262,144 tokens,
-#               mem262's levers, as the code is, then as it was: FSDP2's root held through the backward and the
-#               recompute's output alive in its block's backward. Predicted: the peak differs by the embedding
-#               and head (2 x 248,320 x 4,096 x 2 B = 3.79 GiB) and that output (2 GiB), 5.79 GiB
+#   root_ab     the 9B's first 4 layers (3 DeltaNet, 1 attention; bench/configs/qwen3_5-9b-4l) at 131,072 tokens,
+#               mem262's levers, as the code is and (a copy in /tmp/before, side by side on the GPU: their peaks
+#               are per process) as it was: FSDP2's root held through the backward and the recompute's output
+#               alive in its block's backward. Predicted: the peaks differ by the embedding and head
+#               (2 x 248,320 x 4,096 x 2 B = 3.79 GiB) and that output (1 GiB), 4.79 GiB
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens, the levers --fit auto picks (TRL's table's other two
@@ -84,12 +85,15 @@ job() {  # name: one job, its output into $Q/name
                   bash bench/qwen3_5_gpu.sh "$d" lora:262144 &&
                       python bench/profile_step.py --dir /tmp/q35_lora_262144/profile > "$d/profile.txt" 2>&1
                   cp /tmp/q35_lora_262144/profile/summary.json "$d/" ;;
-        root_ab) cp parallel.py /tmp/parallel.py.now; cp model.py /tmp/model.py.now
-                 MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384" bash bench/qwen3_5_gpu.sh "$d/after" lora:262144
-                 sed -i 's/reshard_after_forward=True)/reshard_after_forward=False)/; /set_unshard_in_backward(False)/d' parallel.py
-                 sed -i '/y.untyped_storage().resize_(0)/d' model.py
-                 MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384" bash bench/qwen3_5_gpu.sh "$d/before" lora:262144
-                 cp /tmp/parallel.py.now parallel.py; cp /tmp/model.py.now model.py ;;
+        root_ab) rm -rf /tmp/before && mkdir /tmp/before && cp -r ./*.py million bench /tmp/before/
+                 sed -i 's/reshard_after_forward=True)/reshard_after_forward=False)/; /set_unshard_in_backward(False)/d' \
+                     /tmp/before/parallel.py
+                 sed -i '/y.untyped_storage().resize_(0)/d' /tmp/before/model.py
+                 (cd /tmp/before && TAG=_before MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384" \
+                      bash bench/qwen3_5_gpu.sh "$d/before" lora:131072) &
+                 TAG=_after MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384" \
+                     bash bench/qwen3_5_gpu.sh "$d/after" lora:131072
+                 wait ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         longest) EXTRA="--fit auto" TIMEOUT=1200 bash bench/qwen3_5_gpu.sh "$d" lora:589824 ;;
         table) EXTRA="--fit auto" bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;

@@ -89,9 +89,9 @@ job() {  # name: one job, its output into $Q/name
                  sed -i 's/reshard_after_forward=True)/reshard_after_forward=False)/; /set_unshard_in_backward(False)/d' \
                      /tmp/before/parallel.py
                  sed -i '/y.untyped_storage().resize_(0)/d' /tmp/before/model.py
-                 (cd /tmp/before && TAG=_before MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384" \
+                 (cd /tmp/before && TAG=_before MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384 --max_steps 1" \
                       bash bench/qwen3_5_gpu.sh "$d/before" lora:131072) &
-                 TAG=_after MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384" \
+                 TAG=_after MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384 --max_steps 1" \
                      bash bench/qwen3_5_gpu.sh "$d/after" lora:131072
                  wait ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;

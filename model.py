@@ -90,9 +90,8 @@ def rope_inv_freq(cfg: Qwen3Config) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attn_factor: float, dtype=torch.float32):
-    """cos, sin [B, T, head_dim] (fp32, or float64 for a float64 model) for the positions present: never a
-    table of max_positions x head_dim. Angles are formed in float64: at position 1,048,576 an fp32 product
-    pos * inv_freq is off by up to 0.06 rad."""
+    """cos, sin [B, T, head_dim] in dtype for the positions present: never a table of max_positions x head_dim.
+    Angles are formed in float64: at position 1,048,576 an fp32 product pos * inv_freq is off by up to 0.06 rad."""
     ang = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)  # [B, T, D/2]
     ang = torch.cat([ang, ang], dim=-1)                                                  # [B, T, D]
     return (ang.cos() * attn_factor).to(dtype), (ang.sin() * attn_factor).to(dtype)
@@ -228,9 +227,10 @@ class Qwen3(nn.Module):
             raise ValueError("doc_lens needs position_ids: the positions inside each document, from 0")
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
-        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), dtype)            # [B, T, D] fp32
         x = self.embed_tokens(input_ids)                                                  # [B, T, H]
+        # in the activations' dtype, which RoPE runs in anyway (apply_rope): one pair for every block, where
+        # FSDP2's cast of each block's inputs would make a copy per block, each kept for its backward
+        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(self.cfg), x.dtype)          # [B, T, D]
         for block in self.layers:
             x = block(x, cos, sin, self.attn_fn, doc_lens)                               # [B, T, H]
         h = self.norm(x)

@@ -27,9 +27,10 @@
 #               attention's backward, itemized on the cut's trace, comes to about 51 there)
 #   root_ab     the 9B's first 4 layers (3 DeltaNet, 1 attention; bench/configs/qwen3_5-9b-4l) at 131,072 tokens,
 #               mem262's levers, as the code is and (a copy in /tmp/before, side by side on the GPU: their peaks
-#               are per process) as it was: FSDP2's root held through the backward and the recompute's output
-#               alive in its block's backward. Predicted: the peaks differ by the embedding and head
-#               (2 x 248,320 x 4,096 x 2 B = 3.79 GiB) and that output (1 GiB), 4.79 GiB
+#               are per process) as it was: FSDP2's root held through the backward, the recompute's output alive
+#               in its block's backward, cos and sin made in fp32 and cast (copied) for each block. Predicted: the
+#               peaks differ by the embedding and head (2 x 248,320 x 4,096 x 2 B = 3.79 GiB), that output
+#               (1 GiB) and 3 of the 4 pairs of cos and sin (96 MiB): 4.88 GiB
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens, the levers --fit auto picks (TRL's table's other two
@@ -89,6 +90,7 @@ job() {  # name: one job, its output into $Q/name
                  sed -i 's/reshard_after_forward=True)/reshard_after_forward=False)/; /set_unshard_in_backward(False)/d' \
                      /tmp/before/parallel.py
                  sed -i '/y.untyped_storage().resize_(0)/d' /tmp/before/model.py
+                 sed -i 's/rope_inv_freq(rope), x.dtype)/rope_inv_freq(rope), torch.float32)/' /tmp/before/million/qwen3_5.py
                  (cd /tmp/before && TAG=_before MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384 --max_steps 1" \
                       bash bench/qwen3_5_gpu.sh "$d/before" lora:131072) &
                  TAG=_after MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384 --max_steps 1" \

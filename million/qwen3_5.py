@@ -452,11 +452,10 @@ class Qwen3_5(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         if position_ids.dim() != 2:
             raise ValueError("position_ids must be [B, T]: text positions only (no M-RoPE image grids)")
-        dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
         rope = SimpleNamespace(head_dim=self.cfg.rotary_dim, rope_theta=self.cfg.rope_theta,
                                rope_scaling=self.cfg.rope_scaling)  # model.py's RoPE over the rotary part
-        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(rope), dtype)                 # [B, T, rotary_dim]
         x = self.embed_tokens(input_ids)                                                   # [B, T, H]
+        cos, sin = rope_cos_sin(position_ids, *rope_inv_freq(rope), x.dtype)  # [B, T, rotary_dim], as model.py's
         for block in self.layers:
             x = block(x, cos, sin, self.attn_fn, doc_lens)                                # [B, T, H]
         h = self.norm(x)

@@ -348,6 +348,22 @@ def test_fsdp_gathers_the_root_in_forward_only(tied, group_of_one):
         torch.testing.assert_close(g.full_tensor(), ref_grads[n], rtol=1e-12, atol=1e-12, msg=n)
 
 
+def test_blocks_keep_one_cos_and_sin_under_fsdp(group_of_one):
+    """FSDP2 casts each block's floating inputs to its compute dtype (bf16 here): cos and sin, made in that dtype,
+    pass through uncopied, so the recomputed blocks all keep the same two tensors, not a pair each."""
+    from torch.distributed.device_mesh import DeviceMesh
+    import parallel
+    m = random_model(tiny(), dtype=torch.float32).set_levers(recompute=True)
+    parallel.shard_model(m, DeviceMesh.from_group(group_of_one, "cpu"), torch.bfloat16)
+    ids = torch.randint(0, 97, (1, 32), generator=torch.Generator().manual_seed(1))
+    kept = []  # what the blocks save of the shape of cos and sin: [B, T, head_dim]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        m(ids, labels=ids, loss_chunk=16)
+    kept = [t for t in kept if t.shape == (1, 32, 8)]
+    assert len(kept) == 2 * m.cfg.num_hidden_layers and all(t.dtype == torch.bfloat16 for t in kept)
+    assert len({t.data_ptr() for t in kept}) == 2
+
+
 def test_checkpoint_keeps_only_block_inputs():
     """Saved-tensor bytes: with checkpointing the graph holds one [B, T, H] input per block (+ cos/sin)."""
     m = random_model(tiny(), dtype=torch.float32)

@@ -25,12 +25,10 @@
 #               offloaded, the DeltaNet in pieces of 16,384): its peak after gated attention's q and gate fix
 #   trace262    mem262's run, one step traced: what is alive at its peak (54.0 GiB against the plan's 49.2; gated
 #               attention's backward, itemized on the cut's trace, comes to about 51 there)
-#   root_ab     the 9B's first 4 layers (3 DeltaNet, 1 attention; bench/configs/qwen3_5-9b-4l) at 131,072 tokens,
-#               mem262's levers, as the code is and (a copy in /tmp/before, side by side on the GPU: their peaks
-#               are per process) as it was: FSDP2's root held through the backward, the recompute's output alive
-#               in its block's backward, cos and sin made in fp32 and cast (copied) for each block. Predicted: the
-#               peaks differ by the embedding and head (2 x 248,320 x 4,096 x 2 B = 3.79 GiB), that output
-#               (1 GiB) and 3 of the 4 pairs of cos and sin (96 MiB): 4.88 GiB
+#   root_ab     bench/memory_ab.sh on the 9B's first 4 layers (3 DeltaNet, 1 attention; bench/configs/qwen3_5-9b-4l)
+#               at 131,072 tokens: the code as it is against a copy without the three memory fixes of 2026-12-07.
+#               Predicted: the embedding and head (2 x 248,320 x 4,096 x 2 B = 3.79 GiB), the recompute's output
+#               (1 GiB) and 3 of the 4 pairs of cos and sin (96 MiB): 4.88 GiB less
 #   long        the 9B's LoRA at 524,288 tokens, the DeltaNet in pieces of 16,384
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens, the levers --fit auto picks (TRL's table's other two
@@ -86,16 +84,8 @@ job() {  # name: one job, its output into $Q/name
                   bash bench/qwen3_5_gpu.sh "$d" lora:262144 &&
                       python bench/profile_step.py --dir /tmp/q35_lora_262144/profile > "$d/profile.txt" 2>&1
                   cp /tmp/q35_lora_262144/profile/summary.json "$d/" ;;
-        root_ab) rm -rf /tmp/before && mkdir /tmp/before && cp -r ./*.py million bench /tmp/before/
-                 sed -i 's/reshard_after_forward=True)/reshard_after_forward=False)/; /set_unshard_in_backward(False)/d' \
-                     /tmp/before/parallel.py
-                 sed -i '/y.untyped_storage().resize_(0)/d' /tmp/before/model.py
-                 sed -i 's/rope_inv_freq(rope), x.dtype)/rope_inv_freq(rope), torch.float32)/' /tmp/before/million/qwen3_5.py
-                 (cd /tmp/before && TAG=_before MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384 --max_steps 1" \
-                      bash bench/qwen3_5_gpu.sh "$d/before" lora:131072) &
-                 TAG=_after MODEL=bench/configs/qwen3_5-9b-4l EXTRA="--deltanet_tile 16384 --max_steps 1" \
-                     bash bench/qwen3_5_gpu.sh "$d/after" lora:131072
-                 wait ;;
+        root_ab) bash bench/memory_ab.sh "$d" bench/configs/qwen3_5-9b-4l 131072 --lora_rank 16 --lora_targets $ALL \
+                     --deltanet_tile 16384 > "$d/ab.txt" 2>&1 ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         longest) EXTRA="--fit auto" TIMEOUT=1200 bash bench/qwen3_5_gpu.sh "$d" lora:589824 ;;
         table) EXTRA="--fit auto" bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;

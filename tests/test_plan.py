@@ -470,10 +470,11 @@ def test_qwen3_5_on_an_h100_at_trl_s_other_lengths_as_written_down():
     the levers the plan chose then (fla's memory outside the allocator not yet kept free), its time within 5% at
     the H200's rates (-4.0%, -3.6%), pinned host exact, and its memory: 3.9% over at 65k, **8.9% under** at 262k
     (DeltaNet in pieces: the unsafe side). The 262k run is the later one, with gated attention's q and gate copied
-    out and its sigmoid after attention (54.0 GiB; 55.5, 11.3% under, before). Attention's backward, itemized on
-    the 35B-A3B's traced cut and scaled to the 9B, comes to about 51 GiB there: the 9B's peak is in another phase,
-    not traced yet (bench/NOTES.md, "The gate's fix, measured"). Pinned, not fitted: a change to the memory terms
-    that moves them fails here and should update the note."""
+    out and its sigmoid after attention (54.0 GiB; 55.5, 11.3% under, before). Its trace puts the peak in an
+    attention block's tiled MLP backward, 9.8 GiB of it the root gathered by FSDP2, the recompute's output and
+    per-block copies of cos and sin, all three gone since (predicted 46.3 GiB, not measured: bench/NOTES.md, "The
+    9B's 262k peak, traced"). Pinned, not fitted: a change to the memory terms that moves them fails here and should
+    update the note."""
     before = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06g")
     after = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-07b")
     for tokens, lv, memory, results in (

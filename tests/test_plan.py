@@ -471,7 +471,7 @@ def test_qwen3_5_on_an_h100_at_trl_s_other_lengths_as_written_down():
     the H200's rates (-4.0%, -3.6%), pinned host exact, and its memory: 3.9% over at 65k, **8.9% under** at 262k
     (DeltaNet in pieces: the unsafe side). The 262k run is the later one, with gated attention's q and gate copied
     out and its sigmoid after attention (54.0 GiB; 55.5, 11.3% under, before). Its trace puts the peak in an
-    attention block's tiled MLP backward, 9.8 GiB of it the root gathered by FSDP2, the recompute's output and
+    attention block's tiled MLP backward, 7.8 GiB of it the root gathered by FSDP2, the recompute's output and
     per-block copies of cos and sin, all three gone since (predicted 46.3 GiB, not measured: bench/NOTES.md, "The
     9B's 262k peak, traced"). Pinned, not fitted: a change to the memory terms that moves them fails here and should
     update the note."""

@@ -240,7 +240,8 @@ class Qwen3(nn.Module):
             return chunked_nll(h.reshape(B * T, -1), self.head_weight(), labels.reshape(B * T), chunk_size=loss_chunk)
 
     def logits(self, input_ids, position_ids=None, doc_lens=None):
-        """Full logits [B, T, V], for tests and short evaluation only."""
+        """Full logits [B, T, V], for tests and short evaluation only; not under FSDP2, which gathers the head for
+        the forward alone (parallel.shard_model; retrieval.row_logits gathers it for a few rows)."""
         return self(input_ids, position_ids, doc_lens=doc_lens) @ self.head_weight().T
 
     @torch.no_grad()

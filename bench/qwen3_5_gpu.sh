@@ -28,7 +28,7 @@ for run in "$@"; do
         full) flags=(--param_dtype bfloat16 --stochastic_rounding true) ;;
         *) echo "unknown run $run: want lora:TOKENS or full:TOKENS" >&2; exit 2 ;;
     esac
-    name="q35$(basename "$MODEL" | grep -o -- '-35b-a3b')_${kind}_$tokens${TAG:-}"  # TAG: two runs side by side
+    name="q35$(basename "$MODEL" | grep -o -- '-35b-a3b')_${kind}_$tokens"
     # shellcheck disable=SC2086
     setsid timeout "${TIMEOUT:-$(( tokens < 100000 ? 300 : tokens < 300000 ? 480 : 590 ))}" python -m torch.distributed.run --standalone \
         --nproc_per_node 1 train.py --model "$MODEL" --tokenizer byte --data synthetic \

@@ -22,13 +22,14 @@ revert() {  # FILE SED: apply SED to /tmp/before/FILE, which must change it
     if cmp -s "/tmp/before/$1" /tmp/before/orig; then echo "memory_ab: nothing to revert in $1 ($2)" >&2; exit 2; fi
 }
 revert parallel.py 's/reshard_after_forward=True)/reshard_after_forward=False)/; /set_unshard_in_backward(False)/d'
-revert model.py '/y.untyped_storage().resize_(0)/d; s/rope_inv_freq(self.cfg), x.dtype)/rope_inv_freq(self.cfg), torch.float32)/'
+revert model.py '/y.untyped_storage().resize_(0)/d'
+revert model.py 's/rope_inv_freq(self.cfg), x.dtype)/rope_inv_freq(self.cfg), torch.float32)/'
 revert million/qwen3_5.py 's/rope_inv_freq(rope), x.dtype)/rope_inv_freq(rope), torch.float32)/'
 
 run() {  # NAME DIR: one step in DIR, its log and metrics into OUT
     (cd "$2" && setsid timeout "${TIMEOUT:-400}" python -m torch.distributed.run --standalone --nproc_per_node 1 \
-        --master_port "$3" train.py --model "$MODEL" --tokenizer byte --yarn_factor 0 --data synthetic --seq_len "$TOKENS" \
-        --max_steps 1 --fit off --checkpoints false --resume none --overwrite true --out_dir "/tmp/ab_$1" "${@:4}" \
+        --master_port "$3" train.py --model "$MODEL" --tokenizer byte --yarn_factor 0 --data synthetic \
+        --seq_len "$TOKENS" --max_steps 1 --fit off --checkpoints false --resume none --overwrite true --out_dir "/tmp/ab_$1" "${@:4}" \
         > "$OUT/$1.log" 2>&1)
     cp "/tmp/ab_$1/metrics.jsonl" "$OUT/$1.metrics.jsonl" 2>/dev/null
 }
@@ -42,7 +43,8 @@ for name in ("before", "after"):
     path = os.path.join(sys.argv[1], f"{name}.metrics.jsonl")
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     peak[name] = rows[-1]["peak_mem_gib"] if rows else None
-    print(f"{name:7s} peak {peak[name]} GiB" + (f", {rows[-1]['step_time_s']:.2f} s" if rows else ": no step, see its log"))
+    print(f"{name:7s} peak {peak[name]} GiB"
+          + (f", {rows[-1]['step_time_s']:.2f} s" if rows else ": no step, see its log"))
 if None not in peak.values():
     print(f"after - before: {peak['after'] - peak['before']:+.2f} GiB")
 EOF

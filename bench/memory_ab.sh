@@ -29,7 +29,8 @@ revert million/qwen3_5.py 's/rope_inv_freq(rope), x.dtype)/rope_inv_freq(rope), 
 run() {  # NAME DIR: one step in DIR, its log and metrics into OUT
     (cd "$2" && setsid timeout "${TIMEOUT:-400}" python -m torch.distributed.run --standalone --nproc_per_node 1 \
         --master_port "$3" train.py --model "$MODEL" --tokenizer byte --yarn_factor 0 --data synthetic \
-        --seq_len "$TOKENS" --max_steps 1 --fit off --checkpoints false --resume none --overwrite true --out_dir "/tmp/ab_$1" "${@:4}" \
+        --seq_len "$TOKENS" --max_steps 1 --fit off --checkpoints false --resume none --overwrite true \
+        --out_dir "/tmp/ab_$1" "${@:4}" \
         > "$OUT/$1.log" 2>&1)
     cp "/tmp/ab_$1/metrics.jsonl" "$OUT/$1.metrics.jsonl" 2>/dev/null
 }

@@ -381,7 +381,6 @@ def test_checkpoint_keeps_only_block_inputs():
     assert ckpt < full / 4, (ckpt, full)
 
 
-
 def test_recomputed_block_frees_its_output_before_its_backward():
     """The recompute's output y (the residual add's, whose backward reads no value) holds no memory while the
     block's backward runs: its MLP's and attention's backward meet an empty storage."""
@@ -394,6 +393,7 @@ def test_recomputed_block_frees_its_output_before_its_backward():
     m(ids, labels=ids, loss_chunk=16).loss_sum.backward()
     assert len(outs) == 2 and outs[0].untyped_storage().size() > 0  # the forward's output is the next block's input
     assert sizes == [0]
+
 
 # --- HF checkpoints ---------------------------------------------------------------------------
 

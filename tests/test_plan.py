@@ -508,8 +508,9 @@ def test_qwen3_5_moe_qlora_fits_an_80_gb_gpu_as_planned():
 def test_qwen3_5_moe_qlora_at_393k_on_an_h100_as_planned():
     """The 35B-A3B with QLoRA at 393,216 tokens with --fit auto on one H100 80GB (every block offloaded and keeping
     attention, the DeltaNet in pieces of 16,384): 145.62 s a step against the plan's 142.1 (-2.4%, at the H200's
-    rates), 59.0 GiB against 66.2 (+12%, on the safe side), pinned host exact. Measured before FSDP2's root was
-    gathered in the forward alone (1.9 GiB less for this model since). Pinned, not fitted."""
+    rates), 59.0 GiB against 66.2 (+12%, on the safe side), pinned host exact. Measured before the root, the
+    recompute's output and the per-block cos and sin left the backward (~52.0 GiB predicted since: bench/NOTES.md,
+    "The 9B's 262k peak, traced"). Pinned, not fitted."""
     from million import lora
     s = plan.Shape.of(hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b")), 393216, 1, 1, 1,
                       attn_backend="cudnn", lora_rank=16, lora_targets=lora.ATTENTION + lora.DELTANET,

@@ -26,6 +26,16 @@ FIT_FILES = ("train_steps_v6.json", "train_steps_fp32_v6.json", "longest_4b.json
              "train_steps_fa4_v7.json", "train_steps_4b_fa4_v7.json", "plan_check.json", "plan_check_moe.json")
 CHECK_FILES = ("plan_check_4b_fp32.json", "plan_check_8b_524k.json",  # never fitted: see check()
                "plan_check_8b_1gpu_sr.json", "plan_check_moe_check.json", "doc_balance_steps_1gpu.json")
+# Runs measured while a recomputed block still held its output through its own backward (freed first since
+# 2026-12-07: model._RecomputedBlock): that [T, hidden] tensor is taken off their peaks, as bench/memory_ab.sh
+# measured it (bench/NOTES.md, "The three memory fixes, measured")
+HELD_OUTPUT = FIT_FILES + CHECK_FILES
+
+
+def held_output_gib(s: plan.Shape) -> float:
+    """What a run measured before 2026-12-07 held at its peak beyond what the code holds now: the recomputed
+    block's output, [tokens, hidden] in the activations' dtype (HELD_OUTPUT)."""
+    return s.tokens * s.hidden * s.act_bytes / 2**30
 
 
 def measured_runs(files, root=os.path.join(ROOT, "bench")):
@@ -63,7 +73,8 @@ def measured_runs(files, root=os.path.join(ROOT, "bench")):
             name = (f"{r['model']} {r['seq_len']} cp{cp}{' dp' + str(s.world // cp) if s.world > cp else ''} "
                     f"{'fp32' if fp32 else 'bf16'} {backend} off {lv.offload_layers} keep {lv.keep_attention_layers}"
                     + (f" {r['name']}" if "name" in r else ""))
-            runs.append((s, lv, r["s_per_step"], r["peak_mem_gib"], name))
+            held = held_output_gib(s) if f in HELD_OUTPUT else 0.0
+            runs.append((s, lv, r["s_per_step"], r["peak_mem_gib"] - held, name))
     return runs
 
 

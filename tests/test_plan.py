@@ -149,7 +149,7 @@ def test_levers_the_user_sets_win_and_no_fit_names_what_would():
     lv, _ = plan.choose(s, 74.5, 1907, fixed={"keep_attention_layers": 0, "tiled_mlp": True, "mlp_tile": 8192})
     assert lv.keep_attention_layers == 0 and lv.mlp_tile == 8192
     with pytest.raises(plan.NoFit, match=r"nearest .*needs .* GiB of GPU memory.*--cp 16"):
-        plan.choose(s, 40, 2000)  # 8 GPUs of 40 GiB: the state alone is 15 GiB, the kept tensors the rest
+        plan.choose(s, 36, 2000)  # 8 GPUs of 36 GiB: the state alone is 15 GiB, the kept tensors the rest
     with pytest.raises(plan.NoFit, match=r"GiB of host memory per node \(limit 7 of 8\)"):
         plan.choose(s, 60, 8)  # no room on the GPU for every block's input, none on the host for any
 
@@ -421,8 +421,11 @@ def test_qwen3_5_steps_are_predicted():
     """The DeltaNet constants are the 131k LoRA run's residual (its step and peak less the rest of the model), and
     with them the other runs are predicted, time within 5% and GPU peak within 9% (on the safe side), pinned host
     exact (the offloaded blocks' inputs and the attention layers' kept outputs: DeltaNet blocks keep none): the fit
-    itself, the full fine-tune (+0.1% and +6.4%), the plan --fit auto chose (11 blocks keep their MLP's gate and up
-    outputs: -0.0%, +7.5%), QLoRA (+2.1%, +1.3%) and 524,288 tokens in pieces of 16,384 (-1.7%, +1.2%)."""
+    itself (memory +2.1%), the full fine-tune (time +0.1%, memory +7.6%), the plan --fit auto chose (11 blocks keep
+    their MLP's gate and up outputs: -0.0%, +8.5%), QLoRA (+2.1%, +4.1%) and 524,288 tokens in pieces of 16,384
+    (-1.7%, +1.2%). The runs predate the recomputed block's output freed before its backward: their peaks are
+    compared less that tensor, as bench/fit_plan.py takes it off the fitted runs (the DeltaNet's working set was
+    read off the raw peak, so it still counts it: on the safe side)."""
     k = plan.FITTED
     for kind, tokens, lv, step_s, peak, host in q35_runs():
         s = q35_shape(tokens, **dict(lora={}, qlora=dict(quantize="nf4"),
@@ -435,7 +438,8 @@ def test_qwen3_5_steps_are_predicted():
             assert per == pytest.approx(k.deltanet_s_per_mtoken_layer, rel=2e-3)
             assert work / tokens == pytest.approx(k.deltanet_work_bytes_per_token, rel=2e-3)
         assert abs(c.step_s / step_s - 1) < 0.05, (kind, tokens, c.step_s, step_s)
-        assert -0.005 < c.gpu_gib / peak - 1 < 0.09, (kind, tokens, c.gpu_gib, peak)
+        now = peak - fit_plan.held_output_gib(s)
+        assert -0.005 < c.gpu_gib / now - 1 < 0.09, (kind, tokens, c.gpu_gib, now)
         assert c.host_gib == pytest.approx(host, rel=1e-3), (kind, tokens, c.host_gib, host)
 
 
@@ -468,18 +472,17 @@ def test_qwen3_5_moe_steps_are_under_predicted_as_written_down():
 def test_qwen3_5_on_an_h100_at_trl_s_other_lengths_as_written_down():
     """The 9B's LoRA at 65,536 and 262,144 tokens with --fit auto on one H100 (TRL's table's other two lengths):
     the levers the plan chose then (fla's memory outside the allocator not yet kept free), its time within 5% at
-    the H200's rates (-4.0%, -3.6%), pinned host exact, and its memory: 3.9% over at 65k, **8.9% under** at 262k
-    (DeltaNet in pieces: the unsafe side). The 262k run is the later one, with gated attention's q and gate copied
-    out and its sigmoid after attention (54.0 GiB; 55.5, 11.3% under, before). Its trace puts the peak in an
-    attention block's tiled MLP backward, 7.8 GiB of it the root gathered by FSDP2, the recompute's output and
-    per-block copies of cos and sin, all three gone since (predicted 46.3 GiB, not measured: bench/NOTES.md, "The
-    9B's 262k peak, traced"). Pinned, not fitted: a change to the memory terms that moves them fails here and should
-    update the note."""
+    the H200's rates (-4.0%, -2.4%), pinned host exact, and its memory: 3.9% over at 65k and **1.6% over** at 262k
+    (DeltaNet in pieces). The 262k run is the latest, on the code that no longer holds FSDP2's root through the
+    backward, the recompute's output in its block's backward or a copy of cos and sin per block: 46.4 GiB as
+    predicted (46.3), from 54.0 (8.9% under) before those three fixes and 55.5 (11.3% under) before gated
+    attention's q and gate were copied out (bench/NOTES.md, "The three memory fixes, measured"). Pinned, not
+    fitted: a change to the memory terms that moves them fails here and should update the note."""
     before = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06g")
-    after = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-07b")
+    after = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-07d")
     for tokens, lv, memory, results in (
             (65536, plan.Levers(32, 32, keep_mlp_layers=12), 0.039, before),
-            (262144, plan.Levers(32, 32, deltanet_tile=plan.DELTANET_TILE), -0.089, after)):
+            (262144, plan.Levers(32, 32, deltanet_tile=plan.DELTANET_TILE), 0.016, after)):
         step_s, peak, host = second_step(results, f"q35_lora_{tokens}")
         s = replace(q35_shape(tokens), attn_backend="cudnn")
         c = plan.predict(s, lv)
@@ -508,9 +511,10 @@ def test_qwen3_5_moe_qlora_fits_an_80_gb_gpu_as_planned():
 def test_qwen3_5_moe_qlora_at_393k_on_an_h100_as_planned():
     """The 35B-A3B with QLoRA at 393,216 tokens with --fit auto on one H100 80GB (every block offloaded and keeping
     attention, the DeltaNet in pieces of 16,384): 145.62 s a step against the plan's 142.1 (-2.4%, at the H200's
-    rates), 59.0 GiB against 66.2 (+12%, on the safe side), pinned host exact. Measured before the root, the
-    recompute's output and the per-block cos and sin left the backward (~52.0 GiB predicted since: bench/NOTES.md,
-    "The 9B's 262k peak, traced"). Pinned, not fitted."""
+    rates), pinned host exact. Measured before the root, the recompute's output and the per-block cos and sin left
+    the backward (~52.0 GiB predicted since: bench/NOTES.md, "The 9B's 262k peak, traced"): 59.0 GiB, 57.5 less
+    the recompute's output (as bench/fit_plan.py compares such runs), against the refitted plan's 63.2 (+9.9%, on
+    the safe side; 66.2 before the refit). Pinned, not fitted."""
     from million import lora
     s = plan.Shape.of(hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b")), 393216, 1, 1, 1,
                       attn_backend="cudnn", lora_rank=16, lora_targets=lora.ATTENTION + lora.DELTANET,
@@ -520,7 +524,8 @@ def test_qwen3_5_moe_qlora_at_393k_on_an_h100_as_planned():
     lv, c = plan.choose(s, 78.0, 126)
     assert lv == plan.Levers(s.layers, s.layers, deltanet_tile=plan.DELTANET_TILE)
     assert c.step_s / step_s - 1 == pytest.approx(-0.024, abs=0.005), (c.step_s, step_s)
-    assert c.gpu_gib / peak - 1 == pytest.approx(0.122, abs=0.005), (c.gpu_gib, peak)
+    peak -= fit_plan.held_output_gib(s)
+    assert c.gpu_gib / peak - 1 == pytest.approx(0.099, abs=0.005), (c.gpu_gib, peak)
     assert c.host_gib == pytest.approx(host, rel=1e-3)
 
 
@@ -529,11 +534,14 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
     attention's backward, whose working set follows its query width (16 x 256, twice its hidden 2048), as the 9B's
     (the same query width) does. Counted by hidden, the plan said 37.2 GiB at 262,144 tokens (measured 50.5) and
     59.7 GiB at 524,288, which ran out of memory past 70.9 GiB; a 12-layer cut traced there held 118 KB a token at
-    its peak (bench/results/qwen3_5_h100_2026-12-06e/cut_profile.txt). By the query width: +2.4% and +5.0%, on the
-    safe side, and 524,288 tokens no longer planned for this card. Since, the attention backward runs 4 of a K/V
-    head's 8 query heads a call, not 8 (parallel._by_head_groups): the cut then held 60.9 GiB; and since gated
+    its peak (bench/results/qwen3_5_h100_2026-12-06e/cut_profile.txt). By the query width: on the safe side
+    (+0.2% and +2.0%, compared as below), and 524,288 tokens not planned for this card (458,752 is). Since, the
+    attention backward runs 4 of a K/V head's 8 query heads a call, not 8 (parallel._by_head_groups): the cut then
+    held 60.9 GiB; and since gated
     attention copies q and the gate out of q_proj's output and takes the sigmoid after attention, 56.9 GiB (as
-    predicted). The plan, which counts neither, is 21.6% over it, on the safe side (pinned here)."""
+    predicted). The plan, which counts neither, is 18.7% over it, on the safe side (pinned here). These runs predate
+    the recomputed block's output freed before its backward: each peak is compared less that tensor, as
+    bench/fit_plan.py takes it off the fitted runs."""
     import json
     from million import lora
     d = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-06e")
@@ -546,12 +554,13 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
         s = plan.Shape.of(mcfg, tokens, 1, 1, 1, attn_backend="cudnn", lora_rank=16,
                           lora_targets=lora.ATTENTION + lora.DELTANET, quantize="nf4")
         c = plan.predict(s, plan.Levers(s.layers, s.layers, deltanet_tile=16384))
+        peak -= fit_plan.held_output_gib(s)
         assert 0.0 < c.gpu_gib / peak - 1 < 0.06, (model, c.gpu_gib, peak)
         assert c.host_gib == pytest.approx(host, rel=1e-3)
     with open(os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-07b",
                            "cut_q35-35b-a3b_lora_524288.metrics.jsonl")) as fh:
-        now = json.loads(fh.readline())["peak_mem_gib"]
-    assert c.gpu_gib / now - 1 == pytest.approx(0.216, abs=0.005), (c.gpu_gib, now)
+        now = json.loads(fh.readline())["peak_mem_gib"] - fit_plan.held_output_gib(s)
+    assert c.gpu_gib / now - 1 == pytest.approx(0.187, abs=0.005), (c.gpu_gib, now)
     s = plan.Shape.of(hf.read_config(os.path.join(ROOT, "bench", "configs", "qwen3_5-35b-a3b")), 524288, 1, 1, 1,
                       attn_backend="cudnn", lora_rank=16, lora_targets=lora.ATTENTION + lora.DELTANET,
                       quantize="nf4")
@@ -559,7 +568,7 @@ def test_qwen3_5_moe_long_runs_hold_gated_attention_by_its_query_width():
         plan.choose(s, 79.1, 126)
     # the hint's --cp fits with levers allowed under cp (the DeltaNet in pieces is for cp 1 only): 2 fits only in
     # pieces, so it names 4
-    assert "--cp 4 " in str(e.value) and "--seq_len 393216" in str(e.value), str(e.value)
+    assert "--cp 4 " in str(e.value) and "--seq_len 458752" in str(e.value), str(e.value)
     plan.choose(replace(s, cp=4, world=4, ranks_per_node=4), 79.1, 4 * 126)
     with pytest.raises(plan.NoFit):
         plan.choose(replace(s, cp=2, world=2, ranks_per_node=2), 79.1, 2 * 126)
@@ -589,7 +598,7 @@ def test_qwen3_5_no_fit_names_what_fits():
     with pytest.raises(plan.NoFit):
         plan.choose(q35_shape(hinted + 65536), 139.7, 126)
     with pytest.raises(plan.NoFit) as e:
-        plan.choose(q35_shape(524288, lora_rank=0, param_bytes=2, stochastic_rounding=True), 139.7, 126)
+        plan.choose(q35_shape(589824, lora_rank=0, param_bytes=2, stochastic_rounding=True), 139.7, 126)
     assert "--lora_rank 16" in str(e.value) and "nf4" not in str(e.value)
 
 

@@ -79,6 +79,7 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark:
                                     # backward at 65,536 tokens (bench/results/fa4_attn_d256.json)
                                     cudnn_d256=409.9, fa4_d256=435.5),
                    gemm_tflops=641.3,                           # profile: ~700
+                   # the working set: fitted on runs less the recomputed block's output they held (bench/fit_plan.py)
                    other_s_per_mtoken_layer=0.099, work_bytes_per_token_hidden=27.0, ring_bytes_per_token_qdim=7.95,
                    sr_s_per_gparam=0.1, moe_s_per_mslot_layer=0.081,  # these two: three MoE runs (bench/NOTES.md)
                    # bench/lora_linear.py's adapter time over the frozen GEMM less the adapter FLOPs (2.8 ps per

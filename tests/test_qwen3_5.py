@@ -892,7 +892,7 @@ def test_fla_model_matches_the_torch_model_under_the_interpreter(world, tmp_path
 
         pip install fla-core==0.6.0 triton==3.7.1
         TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m pytest tests/test_qwen3_5.py -k interpreter -n 2 \
-            --dist worksteal       # 3.5 minutes on 2 cores; in .ci/run
+            --dist worksteal       # 5-6 minutes on 2 cores; in .ci/run
     """
     need_interpreter()
     ranks = run_ranks(world, tmp_path, timeout=900, main=_fla_main)

@@ -13,14 +13,17 @@ import torch.distributed as dist
 from million.evaluate import peak_memory
 
 
-def outside_allocator_gib(device) -> float:
-    """What the driver counts as used on the GPU beyond what PyTorch's allocator reserves (the CUDA context, the
-    libraries' handles, NCCL's buffers, kernels' local memory; other processes' too), the largest over ranks, in
-    GiB: what the margin plan.py leaves must cover."""
+def driver_view_gib(device) -> tuple[float, float]:
+    """(outside, reserved), each the largest over ranks, in GiB. outside: what the driver counts as used on the GPU
+    beyond what PyTorch's allocator reserves now (the CUDA context, the libraries' handles, NCCL's buffers, kernels'
+    local memory; other processes' too), what the margin plan.py leaves must cover. reserved: the most the
+    allocator has held since the start, its cache included; the card must hold it, while plan.py predicts the
+    peak of what is allocated (bench/NOTES.md: 15 GiB apart at the 35B-A3B's 458,752 tokens)."""
     free, total = torch.cuda.mem_get_info()
-    x = torch.tensor([total - free - torch.cuda.memory_reserved()], dtype=torch.float64, device=device)
+    x = torch.tensor([total - free - torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()],
+                     dtype=torch.float64, device=device)
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x.item() / 2**30
+    return x[0].item() / 2**30, x[1].item() / 2**30
 
 
 def clock(seconds: float) -> str:
@@ -96,7 +99,7 @@ class Meter:
                    loss_by_position=by_position,  # [--loss_buckets] means over equal spans of position
                    skipped_rows=self.run.batches.skipped)  # rows of the data left out so far, text or not
         if cfg.device == "cuda":
-            rec["outside_gib"] = outside_allocator_gib(setup.device)
+            rec["outside_gib"], rec["reserved_gib"] = driver_view_gib(setup.device)
         if aux_loss is not None:
             rec["aux_loss"] = aux_loss
         if getattr(batch[0], "doc_lens", None) is not None:  # packed documents: what the windows held

@@ -18,7 +18,7 @@ def driver_view_gib(device) -> tuple[float, float]:
     beyond what PyTorch's allocator reserves now (the CUDA context, the libraries' handles, NCCL's buffers, kernels'
     local memory; other processes' too), what the margin plan.py leaves must cover. reserved: the most the
     allocator has held since the start, its cache included; the card must hold it, while plan.py predicts the
-    peak of what is allocated (bench/NOTES.md: 15 GiB apart at the 35B-A3B's 458,752 tokens)."""
+    peak of what is allocated (bench/NOTES.md: 13 to 16 GiB apart at the 35B-A3B's 458,752 tokens)."""
     free, total = torch.cuda.mem_get_info()
     x = torch.tensor([total - free - torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()],
                      dtype=torch.float64, device=device)

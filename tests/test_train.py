@@ -38,6 +38,23 @@ def test_progress_reads_as_trl_writes_it():
     assert clock(0) == "00:00" and clock(59.6) == "01:00" and clock(3600) == "1:00:00" and clock(90061) == "25:01:01"
 
 
+def test_the_driver_s_view_is_read_and_reduced_over_ranks(tmp_path, monkeypatch):
+    """metrics.driver_view_gib, the metrics rows' outside_gib and reserved_gib on a GPU, with the CUDA counters
+    replaced by fixed numbers (this runs on the CPU): outside is the driver's used memory less the allocator's
+    reserve now, reserved the allocator's peak, both the largest over ranks (all_reduce MAX, a world of one here)."""
+    import torch.distributed as dist
+    from million import metrics
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (30 * gib, 80 * gib))  # (free, total): 50 used
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 47 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 61.5 * gib)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert metrics.driver_view_gib(torch.device("cpu")) == (3.0, 61.5)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_bad_flag_value_is_named_with_its_value_and_the_rule():
     """config.check_config: each bad value stops the run with one line naming the flag, the value given and what
     it must be (train.py prints it on rank 0); a value on the edge passes."""

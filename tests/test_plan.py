@@ -580,7 +580,7 @@ def test_runs_on_this_code_as_written_down():
     assert c.step_s / step_s - 1 == pytest.approx(-0.021, abs=0.005), (c.step_s, step_s)
     assert c.gpu_gib / peak - 1 == pytest.approx(0.215, abs=0.005), (c.gpu_gib, peak)
     assert c.host_gib == pytest.approx(host, rel=1e-3)
-    with pytest.raises(plan.NoFit):  # one step of 65,536 longer does not fit: the card's cache has no room for it
+    with pytest.raises(plan.NoFit):  # one step of 65,536 longer is not planned: the over-count that covered the cache
         plan.choose(replace(s, seq_len=458752 + 65536), 78.0, 126)
 
 

@@ -125,7 +125,32 @@ def summarise_memory(path):
                 if os.path.basename(f["filename"]) in OUR_FILES] if peak_i >= 0 else []
         out[kind] = dict(peak_in_step_gib=peak / gib, peak_total_gib=(before + peak) / gib, peak_during=ours[:8],
                          at_peak_gib=[(w, b / gib) for w, b in groups.most_common(16)])
+    out["reserved"] = summarise_reserve(snap, trace, before)
     return out
+
+
+def summarise_reserve(snap, trace, before):
+    """The allocator's reserve (the memory it has from the driver: segments, or the pages mapped into expandable
+    ones) replayed over the step: its peak, what was held then, the allocation that grew it to that peak, and the
+    free blocks the segments hold at the snapshot (the end of the step): the cache, and how it is cut up."""
+    grow, shrink = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
+    final = sum(seg["total_size"] for seg in snap["segments"])
+    total = final - sum(e["size"] if e["action"] in grow else -e["size"]
+                        for e in trace if e["action"] in grow + shrink)
+    peak, peak_i, held, held_at_peak = total, -1, before, before
+    for i, e in enumerate(trace):
+        held += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
+        total += e["size"] if e["action"] in grow else -e["size"] if e["action"] in shrink else 0
+        if total > peak:
+            peak, peak_i, held_at_peak = total, i, held
+    trigger = next((e for e in trace[peak_i + 1:] if e["action"] == "alloc"), None) if peak_i >= 0 else None
+    free = sorted((b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "inactive"),
+                  reverse=True)
+    gib = 2**30
+    return dict(peak_gib=peak / gib, held_at_peak_gib=held_at_peak / gib,
+                grown_for=None if trigger is None else dict(gib=trigger["size"] / gib, where=where(trigger.get("frames", []))),
+                end_reserved_gib=final / gib, end_free_gib=sum(free) / gib, end_free_blocks=len(free),
+                end_largest_free_gib=[b / gib for b in free[:8]])
 
 
 def main():
@@ -157,6 +182,13 @@ def main():
     for kind, name, v in t["top_kernels"]:
         print(f"  {v:8.3f} s  {kind:<9} {name}")
     for kind, m in out.get("memory", {}).items():
+        if kind == "reserved":
+            g = m["grown_for"] or {}
+            print(f"\nreserve: peak {m['peak_gib']:.2f} GiB with {m['held_at_peak_gib']:.2f} held then; the last growth "
+                  f"for {g.get('gib', 0):.3f} GiB at {g.get('where')}; at the end {m['end_reserved_gib']:.2f} GiB "
+                  f"reserved, {m['end_free_gib']:.2f} GiB of it free in {m['end_free_blocks']} blocks, the largest "
+                  + ", ".join(f"{b:.2f}" for b in m["end_largest_free_gib"]) + " GiB")
+            continue
         if kind == "before_step_gib":
             continue
         print(f"\nmemory {kind}: {out['memory']['before_step_gib']:.2f} GiB alive before the step (weights, "

@@ -9,6 +9,7 @@
 #   MODEL=bench/configs/qwen3_5-35b-a3b bash bench/qwen3_5_gpu.sh OUT lora:131072  # Qwen3.5-MoE: LoRA on attention
 #                                                                                   # and DeltaNet (experts: none)
 #   TARGETS=q_proj,in_proj_qkv bash bench/qwen3_5_gpu.sh OUT lora:131072           # other --lora_targets
+#   SCRIPT=bench/capped.py CAP_GIB=50 bash bench/qwen3_5_gpu.sh OUT lora:262144      # the allocator capped
 #                                                    # (with ,experts on the 35B-A3B: its routed experts adapted too)
 #
 # With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4 (cuDNN on an
@@ -31,7 +32,7 @@ for run in "$@"; do
     name="q35$(basename "$MODEL" | grep -o -- '-35b-a3b')_${kind}_$tokens"
     # shellcheck disable=SC2086
     setsid timeout "${TIMEOUT:-$(( tokens < 100000 ? 300 : tokens < 300000 ? 480 : 590 ))}" python -m torch.distributed.run --standalone \
-        --nproc_per_node 1 train.py --model "$MODEL" --tokenizer byte --data synthetic \
+        --nproc_per_node 1 "${SCRIPT:-train.py}" --model "$MODEL" --tokenizer byte --data synthetic \
         --yarn_factor 0 --seq_len "$tokens" --max_steps 2 --fit off "${flags[@]}" ${EXTRA:-} \
         --checkpoints false --resume none --overwrite true --out_dir "/tmp/$name" > "$OUT/$name.log" 2>&1 &
     pid=$!; wait "$pid"; echo "$name rc $?" >> "$OUT/rc.txt"; kill -- "-$pid" 2>/dev/null

@@ -298,10 +298,9 @@ class Qwen3(nn.Module):
 # inputs of _RecomputedBlock: this inner backward accumulates their gradients (as reentrant checkpointing does),
 # and FSDP2's post-backward hook reduce-scatters them.
 #
-# GPU memory: with every block offloaded, two blocks' kept tensors are on the GPU at a time (in the forward, the
-# block running and the one before, whose copies to the host are let go after it; in the backward, the one
-# running and the one brought back ahead of it). A block without an offload keeps its own there from its forward
-# to its backward.
+# GPU memory: with every block offloaded, two blocks' kept tensors are on the GPU at a time (the one running
+# backward and the one brought back ahead of it). A block without an offload keeps its own there from its
+# forward to its backward.
 
 
 class _KeptAttention:
@@ -390,7 +389,7 @@ class HostOffload:
         self.host = {}       # (block index, name) -> pinned host buffer
         self.pinned = {}     # (block index, name) -> its HostRegistration (CUDA only)
         self.on_device = {}  # (block index, name) -> (tensor, event) brought back ahead of its backward
-        self.copying = {}    # block index -> (event after its device->host copies, the tensors they read)
+        self.copied = {}     # block index -> event after its last device->host copy
         self.stream = None
 
     def _side_stream(self, device):
@@ -415,24 +414,15 @@ class HostOffload:
         if stream is None:
             buf.copy_(x)
             return
-        self._release(keep=key[0])
         stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(stream):
             buf.copy_(x, non_blocking=True)
-            _, kept = self.copying.get(key[0], (None, []))
-            self.copying[key[0]] = stream.record_event(), kept + [x]
-
-    def _release(self, keep=None):
-        """Let go of the tensors whose copies to the host were queued by blocks other than `keep` (all when
-        None), after making the compute stream wait for those copies: their memory is then free in the compute
-        stream's order, for its next allocation. (x.record_stream(side stream) would free it at once on paper,
-        out of max_memory_allocated's count, but hold it back from every allocation until the allocator sees the
-        copy done; as the CPU runs blocks ahead of the GPU, several blocks' kept tensors then sit in the
-        allocator's cache.) Called at the next block's first save, after that block's forward has been queued:
-        the copies are done by then, and the wait costs nothing."""
-        for i in [i for i in self.copying if i != keep]:
-            event, tensors = self.copying.pop(i)
-            torch.cuda.current_stream(tensors[0].device).wait_event(event)
+            self.copied[key[0]] = stream.record_event()
+        x.record_stream(stream)  # the allocator must not hand x's memory out before the copy has read it
+        # Wait for the copies two blocks back, else the CPU runs ahead and freed tensors pile up
+        earlier = self.copied.pop(key[0] - 2, None)
+        if earlier is not None:
+            earlier.synchronize()
 
     def _fetch(self, key, device):
         buf = self.host[key]
@@ -449,7 +439,6 @@ class HostOffload:
         return x, event
 
     def load(self, key, device):
-        self._release()  # the last block's forward copies (backward starts there)
         x, event = self.on_device.pop(key, None) or self._fetch(key, device)
         ahead = (key[0] - 1, key[1])  # backward runs the blocks in reverse order
         if ahead in self.host and ahead not in self.on_device:

@@ -7,8 +7,6 @@
 #   bash bench/before_after.sh full runs/before $OUT      # there, with FA4 on PYTHONPATH (bench/gpu_wheels.sh)
 #   bash bench/before_after.sh lora runs/before $OUT
 #   bash bench/before_after.sh docs runs/before $OUT      # each rank's document attention (bench/doc_balance.py)
-#   bash bench/before_after.sh offload runs/before $OUT   # LoRA with --fit off: every block offloaded, keeping
-#                                                         # attention (the allocator's reserve beside its peak)
 #
 # Each run starts in a process group of its own; a run cut by its timeout has that group ended, and nothing else.
 set -u
@@ -31,15 +29,13 @@ full)
     for t in after before; do step "$t" full; done ;;
 lora)
     for t in after before; do step "$t" lora --lora_rank 16; done ;;
-offload)
-    for t in after before; do step "$t" offload --lora_rank 16 --fit off; done ;;
 docs)
     for t in after before; do
         (cd "$(tree $t)" && timeout 300 python bench/doc_balance.py attn --out "$OUT/doc_attn_$t.json" \
             > "$OUT/doc_attn_$t.log" 2>&1)
     done ;;
 *)
-    echo "usage: bash bench/before_after.sh full|lora|offload|docs BEFORE_TREE OUT" >&2; exit 2 ;;
+    echo "usage: bash bench/before_after.sh full|lora|docs BEFORE_TREE OUT" >&2; exit 2 ;;
 esac
 # the table: step time of steps 2 and 3, peak memory, for each tree
 python3 - "$OUT" "$STAGE" <<'PY'
@@ -50,7 +46,6 @@ for t in ("after", "before"):
     rows = [json.loads(x) for x in open(f)] if os.path.exists(f) else []
     times = [r["step_time_s"] for r in rows if r["step"] >= 2]
     print(f"{stage} {t}: steps {[r['step'] for r in rows]}, timed {['%.2f' % x for x in times]} s, "
-          f"mean {sum(times) / max(len(times), 1):.2f} s, peak {max([r['peak_mem_gib'] for r in rows] or [0]):.2f} GiB, "
-          f"reserved {max([r.get('reserved_gib') or 0 for r in rows] or [0]):.2f} GiB, "
+          f"mean {sum(times) / max(len(times), 1):.2f} s, peak {max([r['peak_mem_gib'] for r in rows] or [0]):.1f} GiB, "
           f"loss {[round(r['loss'], 5) for r in rows]}")
 PY

@@ -27,8 +27,6 @@
 #               offloaded, the DeltaNet in pieces of 16,384): its peak after gated attention's q and gate fix
 #   mem262_capped  mem262 under bench/capped.py, PyTorch's allocator capped at CAP_GIB (50) GiB: does the run need
 #               the reserve it builds beyond its allocated peak?
-#   mem262_before  mem262 in runs/before, a copy of an older commit (git archive COMMIT | tar -x -C runs/before)
-#   offload_test   tests/test_gpu.py's offload tests here, and its stream-order test in runs/before's code
 #   trace262    mem262's run, one step traced: what is alive at its peak (54.0 GiB against the plan's 49.2; gated
 #               attention's backward, itemized on the cut's trace, comes to about 51 there)
 #   root_ab     bench/memory_ab.sh on the 9B's first 4 layers (3 DeltaNet, 1 attention; bench/configs/qwen3_5-9b-4l)
@@ -90,11 +88,6 @@ job() {  # name: one job, its output into $Q/name
         mem262) EXTRA="--deltanet_tile 16384" TIMEOUT=480 bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
         mem262_capped) SCRIPT=bench/capped.py CAP_GIB=${CAP_GIB:-50} EXTRA="--deltanet_tile 16384" TIMEOUT=480 \
                        bash bench/qwen3_5_gpu.sh "$d" lora:262144 ;;
-        mem262_before) (cd runs/before && EXTRA="--deltanet_tile 16384" TIMEOUT=480 \
-                        bash "$OLDPWD/bench/qwen3_5_gpu.sh" "$d" lora:262144) ;;
-        offload_test) timeout 300 python -m pytest -m gpu -p no:xdist tests/test_gpu.py -k offload > "$d/after.log" 2>&1
-                      (cd runs/before && timeout 200 python -m pytest -m gpu -p no:xdist tests/test_gpu.py \
-                           -k frees_what > "$d/before.log" 2>&1) ;;
         trace262) EXTRA="--deltanet_tile 16384 --max_steps 1 --profile_step 1" TIMEOUT=480 \
                   bash bench/qwen3_5_gpu.sh "$d" lora:262144 &&
                       python bench/profile_step.py --dir /tmp/q35_lora_262144/profile > "$d/profile.txt" 2>&1

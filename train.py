@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read once, by `import torch` below
 
 import torch
 import torch.distributed as dist
@@ -382,7 +383,6 @@ def main(argv):
             time.sleep(QUIET_EXIT_S)
         sys.exit(2 if isinstance(e.code, str) else e.code)
     cp = config.context_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
     watchdog = None
     try:
         rank, world, store = init_distributed(cfg)

@@ -38,6 +38,23 @@ def test_progress_reads_as_trl_writes_it():
     assert clock(0) == "00:00" and clock(59.6) == "01:00" and clock(3600) == "1:00:00" and clock(90061) == "25:01:01"
 
 
+def test_the_allocator_grows_by_pages_unless_told_otherwise():
+    """train.py asks for expandable segments where torch reads the setting: once, as it is imported (set after
+    `import torch`, it was ignored: a GPU run's memory snapshot showed fixed segments and 16 GiB of cache). A
+    PYTORCH_CUDA_ALLOC_CONF of the user's own stays as given."""
+    import os
+    import subprocess
+    import sys
+    code = "import train, torch; print(torch._C._accelerator_getAllocatorSettings())"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    for given, want in ((None, "expandable_segments:True"), ("max_split_size_mb:512", "max_split_size_mb:512")):
+        run_env = env if given is None else {**env, "PYTORCH_CUDA_ALLOC_CONF": given}
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, env=run_env, capture_output=True, text=True,
+                             check=True).stdout
+        assert out.strip() == want, out
+
+
 def test_the_driver_s_view_is_read_and_reduced_over_ranks(tmp_path, monkeypatch):
     """metrics.driver_view_gib, the metrics rows' outside_gib and reserved_gib on a GPU, with the CUDA counters
     replaced by fixed numbers (this runs on the CPU): outside is the driver's used memory less the allocator's

@@ -345,8 +345,8 @@ def loop(cfg, run, rank: int, world: int, t_start: float, log) -> int:
             last_save, run.saved = time.time(), step
         if stopping:
             why = StopRequest.REASONS[(code or int(stopping)) - 1] + ("" if code else ", on another rank")
-            log(f"stopping after step {step} ({why}), with a checkpoint; "
-                f"relaunch the same command to continue. Exit code {EXIT_PREEMPTED}")
+            log(f"stopping after step {step} ({why}), " + ("with a checkpoint; relaunch the same command to continue"
+                if cfg.checkpoints else "with no checkpoint (--checkpoints false)") + f". Exit code {EXIT_PREEMPTED}")
             return EXIT_PREEMPTED
     return 0
 

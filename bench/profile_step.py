@@ -125,33 +125,23 @@ def summarise_memory(path):
                 if os.path.basename(f["filename"]) in OUR_FILES] if peak_i >= 0 else []
         out[kind] = dict(peak_in_step_gib=peak / gib, peak_total_gib=(before + peak) / gib, peak_during=ours[:8],
                          at_peak_gib=[(w, b / gib) for w, b in groups.most_common(16)])
-    out["reserved"] = summarise_reserve(snap, trace, before)
+    out["reserved"] = summarise_reserve(snap, trace)
     return out
 
 
-def summarise_reserve(snap, trace, before):
-    """The allocator's reserve (the memory it has from the driver: segments, or the pages mapped into expandable
-    ones) replayed over the step: its peak, what was held then, the allocation that grew it to that peak, and the
-    free blocks the segments hold at the snapshot (the end of the step): the cache, and how it is cut up."""
-    grow, shrink = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
-    final = sum(seg["total_size"] for seg in snap["segments"])
-    total = final - sum(e["size"] if e["action"] in grow else -e["size"]
-                        for e in trace if e["action"] in grow + shrink)
-    peak, peak_i, held, held_at_peak = total, -1, before, before
-    for i, e in enumerate(trace):
-        held += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
-        total += e["size"] if e["action"] in grow else -e["size"] if e["action"] in shrink else 0
-        if total > peak:
-            peak, peak_i, held_at_peak = total, i, held
-    trigger = next((e for e in trace[peak_i + 1:] if e["action"] == "alloc"), None) if peak_i >= 0 else None
+def summarise_reserve(snap, trace):
+    """The allocator's reserve (what it holds from the driver: whole segments, or pages mapped into expandable
+    ones). At the snapshot (the step's end): how much is free, in how many blocks, the largest. Over the step:
+    each time it grew (the reserve only grows within a step), largest first, with the allocation it grew for."""
+    grew = sorted((e for e in trace if e["action"] in ("segment_alloc", "segment_map")), key=lambda e: -e["size"])
     free = sorted((b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "inactive"),
                   reverse=True)
     gib = 2**30
-    return dict(peak_gib=peak / gib, held_at_peak_gib=held_at_peak / gib,
-                grown_for=None if trigger is None else dict(gib=trigger["size"] / gib, where=where(trigger.get("frames", []))),
-                end_reserved_gib=final / gib, end_free_gib=sum(free) / gib, end_free_blocks=len(free),
-                end_largest_free_gib=[b / gib for b in free[:8]])
-
+    return dict(expandable_segments=snap.get("allocator_settings", {}).get("expandable_segments"),
+                end_reserved_gib=sum(seg["total_size"] for seg in snap["segments"]) / gib,
+                end_free_gib=sum(free) / gib, end_free_blocks=len(free), end_largest_free_gib=[b / gib for b in free[:8]],
+                grew_gib=sum(e["size"] for e in grew) / gib, times_grown=len(grew),
+                largest_growths=[(e["size"] / gib, where(e.get("frames", []))) for e in grew[:12]])
 
 def main():
     ap = argparse.ArgumentParser()
@@ -183,11 +173,12 @@ def main():
         print(f"  {v:8.3f} s  {kind:<9} {name}")
     for kind, m in out.get("memory", {}).items():
         if kind == "reserved":
-            g = m["grown_for"] or {}
-            print(f"\nreserve: peak {m['peak_gib']:.2f} GiB with {m['held_at_peak_gib']:.2f} held then; the last growth "
-                  f"for {g.get('gib', 0):.3f} GiB at {g.get('where')}; at the end {m['end_reserved_gib']:.2f} GiB "
-                  f"reserved, {m['end_free_gib']:.2f} GiB of it free in {m['end_free_blocks']} blocks, the largest "
-                  + ", ".join(f"{b:.2f}" for b in m["end_largest_free_gib"]) + " GiB")
+            print(f"\nreserve (expandable segments: {m['expandable_segments']}): grown {m['times_grown']} times in the "
+                  f"step, by {m['grew_gib']:.2f} GiB; at the end {m['end_reserved_gib']:.2f} GiB, "
+                  f"{m['end_free_gib']:.2f} GiB of it free in {m['end_free_blocks']} blocks, the largest "
+                  + ", ".join(f"{b:.2f}" for b in m["end_largest_free_gib"]) + " GiB. Largest growths:")
+            for g, w in m["largest_growths"]:
+                print(f"  {g:8.3f} GiB  {w}")
             continue
         if kind == "before_step_gib":
             continue

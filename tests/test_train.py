@@ -45,6 +45,10 @@ def test_the_allocator_grows_by_pages_unless_told_otherwise():
     import os
     import subprocess
     import sys
+
+    import pytest
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        pytest.skip("this torch cannot say what its allocator read (torch 2.13 can)")
     code = "import train, torch; print(torch._C._accelerator_getAllocatorSettings())"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}

@@ -120,6 +120,24 @@ def test_sigterm_saves_and_exits_75_then_the_run_continues(tmp_path):
     assert [r["step"] for r in rows(out)] == list(range(1, stopped + 3))
 
 
+def test_sigterm_without_checkpoints_says_none_was_written(tmp_path):
+    """The same with --checkpoints false: it stops at the step boundary with exit code 75, and its line says that
+    nothing was saved (not "relaunch to continue", which would start over)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--out_dir", str(out), "--max_steps", "400",
+           "--checkpoints", "false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    wait_for_rows(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr[-3000:]
+    line = [x for x in stdout.splitlines() if x.startswith("stopping after step")]
+    assert line == [f"stopping after step {rows(out)[-1]['step']} (SIGTERM), with no checkpoint (--checkpoints false). "
+                    "Exit code 75"], stdout[-2000:]
+    assert not os.path.exists(out / "checkpoints") or not os.listdir(out / "checkpoints")
+
+
 def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path):
     """torchrun passes SIGTERM on to its workers, which agree, save and exit."""
     out = tmp_path / "run"

@@ -3,7 +3,8 @@
 folder, and load_or_init_state_dict, the one place where weights are read or drawn. train.py reads with
 load_or_init_state_dict on rank 0 (then broadcasts) and writes with save_hf; from_pretrained and save_pretrained do
 the same in one process. A Qwen3.5 config.json (model_type qwen3_5 or qwen3_5_text) is read, and its weights
-read, drawn and saved, by qwen3_5.py, imported where that model type is met.
+read, drawn and saved, by qwen3_5.py, imported where that model type is met. The files themselves (safetensors
+shards, RoPE fields), which both read and write, are hf_files.py's.
 
     python -c "from million import hf; print(hf.from_pretrained('Qwen/Qwen3-0.6B', torch.float32).cfg)"
     python -m pytest tests/test_model.py tests/test_moe.py -q -k "load or save or hub or checkpoint"
@@ -15,9 +16,8 @@ import warnings
 import torch
 
 from model import Qwen3, Qwen3Config, causal_attention
+from million.hf_files import HF_SHARD_BYTES, parse_rope, read_safetensors, write_safetensors
 from million.moe import Qwen3MoE, Qwen3MoeConfig, hf_expert_names
-
-HF_SHARD_BYTES = 5 * 2**30  # safetensors shard size of save_pretrained (transformers' default, 5 GiB)
 
 
 # --- config.json <-> Qwen3Config --------------------------------------------------------------
@@ -47,23 +47,6 @@ def refuse_unsupported(d: dict):
         raise ValueError(f"{where}: attention_bias is true, which Qwen3 never uses; not supported.")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses 'silu').")
-
-
-def parse_rope(d: dict) -> tuple[float, dict | None]:
-    """-> (theta, YaRN scaling or None). Older configs say rope_theta + rope_scaling, newer ones
-    rope_parameters (with theta inside)."""
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise ValueError(f"{d.get('_name_or_path', 'config.json')}: rope type {rope_type!r} is not supported; "
-                         "use 'default' or 'yarn'.")
-    if rope_type == "default":
-        return float(theta), None
-    scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "attention_factor",
-                                    "beta_fast", "beta_slow") if rope.get(k) is not None}
-    scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-    return float(theta), scaling
 
 
 SAVED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -183,17 +166,6 @@ def local_folder(path_or_hub_id: str) -> str:
                               "folder instead.") from e
 
 
-def read_safetensors(file: str) -> dict:
-    """{name: tensor} of one safetensors file; a file cut short or not safetensors is named, with what to do."""
-    from safetensors.torch import load_file
-    try:
-        return load_file(file)
-    except Exception as e:  # safetensors' SafetensorError, or an OSError
-        raise ValueError(f"{file} cannot be read as safetensors ({type(e).__name__}: {e}): a download or copy cut "
-                         "short? Fetch the checkpoint again (a hub id: delete that file from the hub cache first)"
-                         ) from None
-
-
 def load_hf_state_dict(path: str, names: list[str], dtype, num_experts: int = 0) -> dict | None:
     """Our parameter names -> tensors from (possibly sharded) safetensors, the experts' stacked; None when the
     folder has none."""
@@ -256,32 +228,6 @@ def draw_to_host(ref: torch.nn.Module, seed: int, device) -> dict:
         ref.init_parameter(name, t, generator)
         drawn[name] = t.cpu()
     return drawn
-
-
-def write_safetensors(out_dir: str, tensors: dict, max_shard_bytes: int = HF_SHARD_BYTES):
-    """{HF name: tensor} as safetensors shards of at most max_shard_bytes (model.safetensors, or
-    model-0000i-of-0000n.safetensors and their index), readable by others as transformers' own files are."""
-    from safetensors.torch import save_file
-    os.makedirs(out_dir, exist_ok=True)
-    shards, size = [{}], 0
-    for k, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k], size = t, size + nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    umask = os.umask(0o022)
-    os.umask(umask)
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)  # safetensors writes 0600: others could not read it
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
-            json.dump(index, fh, indent=2)
 
 
 def save_hf(out_dir: str, cfg: Qwen3Config, state_dict: dict, max_shard_bytes: int = HF_SHARD_BYTES):

@@ -32,7 +32,7 @@ from model import Block as Qwen3Block
 from model import MLP, Qwen3, Qwen3Config, apply_rope, causal_attention, fused, rope_cos_sin, rope_inv_freq
 from million import deltanet, moe
 from million.deltanet import DeltaNetMixer, causal_conv, resolve_kernel
-from million.hf import HF_SHARD_BYTES, parse_rope, write_safetensors
+from million.hf_files import HF_SHARD_BYTES, parse_rope, read_safetensors, write_safetensors
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -600,7 +600,6 @@ def hf_names(name: str, cfg: Qwen3_5Config) -> list:
 
 
 def _read_safetensors(folder: str) -> dict:
-    from million.hf import read_safetensors
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     return {k: t for f in files for k, t in read_safetensors(os.path.join(folder, f)).items()}
 

@@ -7,7 +7,8 @@
 #   bash bench/alloc_ab.sh OUT
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
-python -c "import train, torch; print('allocator settings after import train:', torch._C._accelerator_getAllocatorSettings())"
+python -c "import train, torch; torch.zeros(1, device='cuda')
+print('expandable segments after import train:', torch.cuda.memory._snapshot()['allocator_settings']['expandable_segments'])"
 for name in fixed pages; do
     if [ $name = fixed ]; then export PYTORCH_CUDA_ALLOC_CONF=; else unset PYTORCH_CUDA_ALLOC_CONF; fi
     setsid timeout "${TIMEOUT:-170}" python -m torch.distributed.run --standalone --nproc_per_node 1 train.py \

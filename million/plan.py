@@ -95,7 +95,9 @@ FITTED = Constants(attn_tflops=dict(cudnn=527.7, fa4=610.0,  # kernel benchmark:
                    # its cp form costs 70.9 ms a layer-step (forward, backward, one more forward) against 42.0 ms
                    deltanet_cp_s_per_mtoken_layer=0.221)
 GPU_MARGIN, HOST_MARGIN = 0.92, 0.90  # plan to these fractions of the capacities: the fit's error (<= 6% on
-                                      # the fitted runs) and the memory the OS and page cache need
+                                      # the fitted runs) and the allocator's cache beyond the allocated peak
+                                      # (1.6-2.8 GiB measured with expandable segments, which train.py asks
+                                      # for; 6-16 GiB without); the memory the OS and page cache need
 # What fla's Triton kernels (Qwen3.5's DeltaNet layers) hold on the GPU outside PyTorch's allocator during a run,
 # which appears after the plan reads the free memory: the local memory (spills) of the configs its autotuner kept.
 # Its autotuner's trials reserve 6.5 GiB more at the start-up check, which qwen3_5.build gives back

@@ -8,7 +8,7 @@
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 python -c "import train, torch; torch.zeros(1, device='cuda')
-print('expandable segments after import train:', torch.cuda.memory._snapshot()['allocator_settings']['expandable_segments'])"
+print('expandable segments:', torch.cuda.memory._snapshot()['allocator_settings']['expandable_segments'])"
 for name in fixed pages; do
     if [ $name = fixed ]; then export PYTORCH_CUDA_ALLOC_CONF=; else unset PYTORCH_CUDA_ALLOC_CONF; fi
     setsid timeout "${TIMEOUT:-170}" python -m torch.distributed.run --standalone --nproc_per_node 1 train.py \

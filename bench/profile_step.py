@@ -139,9 +139,11 @@ def summarise_reserve(snap, trace):
     gib = 2**30
     return dict(expandable_segments=snap.get("allocator_settings", {}).get("expandable_segments"),
                 end_reserved_gib=sum(seg["total_size"] for seg in snap["segments"]) / gib,
-                end_free_gib=sum(free) / gib, end_free_blocks=len(free), end_largest_free_gib=[b / gib for b in free[:8]],
+                end_free_gib=sum(free) / gib, end_free_blocks=len(free),
+                end_largest_free_gib=[b / gib for b in free[:8]],
                 grew_gib=sum(e["size"] for e in grew) / gib, times_grown=len(grew),
                 largest_growths=[(e["size"] / gib, where(e.get("frames", []))) for e in grew[:12]])
+
 
 def main():
     ap = argparse.ArgumentParser()

@@ -9,8 +9,8 @@
 #   MODEL=bench/configs/qwen3_5-35b-a3b bash bench/qwen3_5_gpu.sh OUT lora:131072  # Qwen3.5-MoE: LoRA on attention
 #                                                                                   # and DeltaNet (experts: none)
 #   TARGETS=q_proj,in_proj_qkv bash bench/qwen3_5_gpu.sh OUT lora:131072           # other --lora_targets
-#   SCRIPT=bench/capped.py CAP_GIB=50 bash bench/qwen3_5_gpu.sh OUT lora:262144      # the allocator capped
 #                                                    # (with ,experts on the 35B-A3B: its routed experts adapted too)
+#   SCRIPT=bench/capped.py CAP_GIB=50 bash bench/qwen3_5_gpu.sh OUT lora:262144      # the allocator capped
 #
 # With bench/gpu_wheels.sh's packages on PYTHONPATH the DeltaNet runs on fla and the attention on FA4 (cuDNN on an
 # H100: kernels.cudnn_leads). The levers are the ones measured (--fit off: every block offloaded and keeping

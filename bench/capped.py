@@ -1,7 +1,8 @@
 """train.py with PyTorch's CUDA allocator capped at CAP_GIB GiB (torch.cuda.set_per_process_memory_fraction). Past
 the cap an allocation is refused as when the card is full: the allocator gives its cache back to the driver and
-tries again, and only then fails. So a run that completes under a cap just above its allocated peak does not need
-the reserve it builds without one; a run that fails needs it.
+tries again, and only then fails (torch's documented behaviour; the one run so far, the 9B's at 262,144 tokens
+under 50 GiB, never reached its cap). So a run that completes under a cap just above its allocated peak does not
+need the reserve it builds without one; a run that fails needs it.
 
     CAP_GIB=50 torchrun --standalone --nproc_per_node 1 bench/capped.py --model ... (train.py's flags)
 """

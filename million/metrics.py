@@ -17,8 +17,9 @@ def driver_view_gib(device) -> tuple[float, float]:
     """(outside, reserved), each the largest over ranks, in GiB. outside: what the driver counts as used on the GPU
     beyond what PyTorch's allocator reserves now (the CUDA context, the libraries' handles, NCCL's buffers, kernels'
     local memory; other processes' too), what the margin plan.py leaves must cover. reserved: the most the
-    allocator has held since the start, its cache included; the card must hold it, while plan.py predicts the
-    peak of what is allocated (bench/NOTES.md: 13 to 16 GiB apart at the 35B-A3B's 458,752 tokens)."""
+    allocator held during the step (train.py resets the peaks at each step's start), its cache included; the card
+    must hold it, while plan.py predicts the peak of what is allocated (1.6 to 2.8 GiB apart with the expandable
+    segments train.py asks for, 6 to 16 without: bench/RESULTS.md, "The allocator's cache")."""
     free, total = torch.cuda.mem_get_info()
     x = torch.tensor([total - free - torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()],
                      dtype=torch.float64, device=device)

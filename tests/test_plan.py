@@ -558,8 +558,9 @@ def test_runs_on_this_code_as_written_down():
     tokens (bf16 weights and AdamW, every block offloaded and keeping attention): 20.90 and 41.82 GiB against the
     plan's 22.47 (+7.5%) and 41.59 (-0.5%). The 35B-A3B's QLoRA at 458,752 tokens with --fit auto on the card's 78.0
     GiB, the longest the plan fits there: 190.48 s against 186.4 at the H200's rates (-2.1%), 57.56 GiB allocated
-    against 69.9 (+21.5%), while the card held 74.9 GiB at its high water (the allocator's cache, which the plan does
-    not count and its over-count covered). Pinned host exact. Pinned, not fitted."""
+    against 69.9 (+21.5%), while the card held 74.9 GiB at its high water (the allocator's cache with the fixed
+    segments every run then had, which the plan does not count and its over-count covered; bench/RESULTS.md, "The
+    allocator's cache"). Pinned host exact. Pinned, not fitted."""
     import json
     from million import lora
     d = os.path.join(ROOT, "bench", "results", "qwen3_5_h100_2026-12-07e")

@@ -892,11 +892,12 @@ def _fla_main(rank, world, port, out_dir):
 @pytest.mark.parametrize("world", [1, 2])
 def test_fla_model_matches_the_torch_model_under_the_interpreter(world, tmp_path):
     """The fla path's glue checked without a GPU: the tiny model cut to one DeltaNet and one attention layer
-    (INTERPRETED) in fp32, its DeltaNet on fla's kernels (run by Triton's interpreter), at cp 1 and at cp 2 (each rank's first segments in the context-parallel form: v
-    padded with dk columns, the state [0 | I]), against the one-device model on the torch rule, for one sequence and
-    for documents: the final hidden states within 1e-5 in norm, the loss within 1e-5, every gradient summed over
-    the ranks within 1e-4 in norm (measured: 1.2e-7, 8e-8 and 1.5e-6). fp32 only: the interpreter's bf16 is not the
-    GPU's (its outputs are off by 1e11); the GPU tests above check bf16. Skipped unless TRITON_INTERPRET=1:
+    (INTERPRETED) in fp32, its DeltaNet on fla's kernels (run by Triton's interpreter), at cp 1 and at cp 2 (each
+    rank's first segments in the context-parallel form: v padded with dk columns, the state [0 | I]), against the
+    one-device model on the torch rule, for one sequence and for documents: the final hidden states within 1e-5 in
+    norm, the loss within 1e-5, every gradient summed over the ranks within 1e-4 in norm (measured: 1.2e-7, 8e-8
+    and 1.5e-6). fp32 only: the interpreter's bf16 is not the GPU's (its outputs are off by 1e11); the GPU tests
+    above check bf16. Skipped unless TRITON_INTERPRET=1:
 
         pip install fla-core==0.6.0 triton==3.7.1
         TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m pytest tests/test_qwen3_5.py -k interpreter -n 2 \

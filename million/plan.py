@@ -397,9 +397,10 @@ def gpu_bytes(s: Shape, lv: Levers, k: Constants = FITTED) -> float:
     if s.lora_rank:
         state += frozen_bytes(s)
         loss -= 4 * s.vocab * s.hidden                            # a frozen head has no gradient
-    # Qwen3.5's gated attention's working set follows its query width (q_proj gives query and gate), not hidden:
-    # the 35B-A3B (hidden 2048, 16 x 256 query) held 118 KB a token at its peak, as the 9B (hidden 4096) does
-    width = max(s.hidden, s.heads * s.head_dim) if s.dn[0] else s.hidden
+    # Qwen3.5's gated attention's working set: about half of it as wide as its query (q_proj gives query and gate),
+    # half as wide as hidden. The 35B-A3B (hidden 2048, 16 x 256 query) held 81.9 KB a token at its 458,752-token
+    # peak, (2048 + 4096) / 2 within 1%; for the 9B (4096 and 4096) it is hidden, as fitted
+    width = (s.hidden + s.heads * s.head_dim) / 2 if s.dn[0] else s.hidden
     work = k.work_bytes_per_token_hidden * width * s.tokens
     if s.dn[0]:  # one block at a time: the larger of the two kinds' working sets; in pieces (deltanet_tile), a
         # piece's, beside the pieces' outputs and their concatenation (predicted, not measured)

@@ -25,6 +25,8 @@
 #   qlora_moe_524k  the same at 524,288 tokens, planned for an H100 (--fit auto --gpu_mem_gib 78.0: the free memory
 #               an H100 80GB reads) and run under bench/capped.py with the allocator capped at 78 GiB, so that on an
 #               H200 too it has no more room than on an H100 (the longest before, 458,752, with the cache's 16 GiB)
+#   cut_524k    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, 2 steps (gated attention's working set at
+#               that length on this code, in less than half the time of qlora_moe_524k)
 #   cut_long    the 35B-A3B's 12-layer cut with QLoRA at 524,288 tokens, one step traced: what is alive at the peak
 #   mem262      the 9B's LoRA at 262,144 tokens with the levers --fit auto picked for an H100 in `table` (every block
 #               offloaded, the DeltaNet in pieces of 16,384): its peak after gated attention's q and gate fix
@@ -86,6 +88,8 @@ job() {  # name: one job, its output into $Q/name
                         bash bench/qwen3_5_gpu.sh "$d" lora:458752 ;;
         qlora_moe_524k) MODEL=$MOE SCRIPT=bench/capped.py CAP_GIB=78 EXTRA="--quantize nf4 --fit auto --gpu_mem_gib 78.0" \
                         TIMEOUT=1100 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
+        cut_524k) MODEL=bench/configs/qwen3_5-35b-a3b-12l EXTRA="--quantize nf4 --deltanet_tile 16384" TIMEOUT=560 \
+                  bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         cut_long) MODEL=bench/configs/qwen3_5-35b-a3b-12l EXTRA="--quantize nf4 --deltanet_tile 16384 --max_steps 1 \
                   --profile_step 1" TIMEOUT=560 bash bench/qwen3_5_gpu.sh "$d" lora:524288 &&
                       python bench/profile_step.py --dir /tmp/q35-35b-a3b_lora_524288/profile > "$d/profile.txt" 2>&1

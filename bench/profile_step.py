@@ -137,7 +137,12 @@ def summarise_reserve(snap, trace):
     free = sorted((b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "inactive"),
                   reverse=True)
     gib = 2**30
+    streams = collections.defaultdict(lambda: [0, 0])  # each CUDA stream has a pool of its own: [reserved, free]
+    for seg in snap["segments"]:
+        streams[seg.get("stream", 0)][0] += seg["total_size"]
+        streams[seg.get("stream", 0)][1] += sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
     return dict(expandable_segments=snap.get("allocator_settings", {}).get("expandable_segments"),
+                by_stream_gib={str(k): [v[0] / gib, v[1] / gib] for k, v in streams.items()},
                 end_reserved_gib=sum(seg["total_size"] for seg in snap["segments"]) / gib,
                 end_free_gib=sum(free) / gib, end_free_blocks=len(free),
                 end_largest_free_gib=[b / gib for b in free[:8]],
@@ -178,7 +183,9 @@ def main():
             print(f"\nreserve (expandable segments: {m['expandable_segments']}): grown {m['times_grown']} times in the "
                   f"step, by {m['grew_gib']:.2f} GiB; at the end {m['end_reserved_gib']:.2f} GiB, "
                   f"{m['end_free_gib']:.2f} GiB of it free in {m['end_free_blocks']} blocks, the largest "
-                  + ", ".join(f"{b:.2f}" for b in m["end_largest_free_gib"]) + " GiB. Largest growths:")
+                  + ", ".join(f"{b:.2f}" for b in m["end_largest_free_gib"]) + " GiB. By stream (reserved, free): "
+                  + ", ".join(f"{s}: {r:.2f}, {f:.2f}" for s, (r, f) in m["by_stream_gib"].items())
+                  + " GiB. Largest growths:")
             for g, w in m["largest_growths"]:
                 print(f"  {g:8.3f} GiB  {w}")
             continue

@@ -141,7 +141,15 @@ def summarise_reserve(snap, trace):
     for seg in snap["segments"]:
         streams[seg.get("stream", 0)][0] += seg["total_size"]
         streams[seg.get("stream", 0)][1] += sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
+    side, alive, side_peak = collections.Counter(), 0, 0  # what the step allocates on streams other than the default
+    for e in trace:
+        if e.get("stream", 0) and e["action"] in ("alloc", "free_requested"):
+            alive += e["size"] if e["action"] == "alloc" else -e["size"]
+            side_peak = max(side_peak, alive)
+            if e["action"] == "alloc":
+                side[where(e.get("frames", []))] = max(side[where(e.get("frames", []))], e["size"])
     return dict(expandable_segments=snap.get("allocator_settings", {}).get("expandable_segments"),
+                side_streams_peak_gib=side_peak / gib, side_largest_gib=[(w, b / gib) for w, b in side.most_common(8)],
                 by_stream_gib={str(k): [v[0] / gib, v[1] / gib] for k, v in streams.items()},
                 end_reserved_gib=sum(seg["total_size"] for seg in snap["segments"]) / gib,
                 end_free_gib=sum(free) / gib, end_free_blocks=len(free),
@@ -187,6 +195,10 @@ def main():
                   + ", ".join(f"{s}: {r:.2f}, {f:.2f}" for s, (r, f) in m["by_stream_gib"].items())
                   + " GiB. Largest growths:")
             for g, w in m["largest_growths"]:
+                print(f"  {g:8.3f} GiB  {w}")
+            print(f"allocated on other streams in the step: at most {m['side_streams_peak_gib']:.2f} GiB alive; "
+                  "the largest, by where:")
+            for w, g in m["side_largest_gib"]:
                 print(f"  {g:8.3f} GiB  {w}")
             continue
         if kind == "before_step_gib":

@@ -147,7 +147,8 @@ def summarise_reserve(snap, trace):
             alive += e["size"] if e["action"] == "alloc" else -e["size"]
             side_peak = max(side_peak, alive)
             if e["action"] == "alloc":
-                side[where(e.get("frames", []))] = max(side[where(e.get("frames", []))], e["size"])
+                w = where(e.get("frames", []))
+                side[w] = max(side[w], e["size"])
     return dict(expandable_segments=snap.get("allocator_settings", {}).get("expandable_segments"),
                 side_streams_peak_gib=side_peak / gib, side_largest_gib=[(w, b / gib) for w, b in side.most_common(8)],
                 by_stream_gib={str(k): [v[0] / gib, v[1] / gib] for k, v in streams.items()},

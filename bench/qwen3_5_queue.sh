@@ -55,6 +55,10 @@
 #               (up to 10 minutes: fla's autotuner runs each time, and Triton's cache may be cold)
 set -u
 Q=/tmp/queue
+# Triton's compiled kernels and fla's autotuning results, kept on disk (a fresh machine's first 9B step spends about
+# 7 minutes compiling and autotuning): `wait` packs them into OUT/triton_cache.tar.xz; copied to
+# .whl/triton_cache.tar.xz and carried into the next machine's `start` call, they are unpacked before the first run
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache} TRITON_CACHE_AUTOTUNING=1
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
 AD=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj  # attention and DeltaNet
 MOE=${MOE:-bench/configs/qwen3_5-35b-a3b}  # MOE=bench/configs/qwen3_5-35b-a3b-12l: its first 12 layers (an 80 GB GPU)
@@ -131,7 +135,8 @@ job() {  # name: one job, its output into $Q/name
 
 case "${1:-}" in
 start)
-    shift; mkdir -p $Q; : > $Q/done.txt
+    shift; mkdir -p $Q "$TRITON_CACHE_DIR"; : > $Q/done.txt
+    if [ -f .whl/triton_cache.tar.xz ]; then tar -xJf .whl/triton_cache.tar.xz -C "$TRITON_CACHE_DIR"; fi
     # the card's memory as the driver sees it (PyTorch's allocator and everything outside it), every 10 s
     setsid bash -c "while sleep 10; do echo \$(date +%T) \$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)
         done" > $Q/smi.txt 2>&1 &
@@ -142,6 +147,7 @@ wait)
     OUT=$2; t=0
     while ! grep -qx all $Q/done.txt 2>/dev/null && [ "$t" -lt "$3" ]; do sleep 5; t=$((t + 5)); done
     cp -r $Q/. "$OUT/"
+    tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 > "$OUT/triton_cache.tar.xz"; du -h "$OUT/triton_cache.tar.xz"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
     cat $Q/done.txt; tail -3 $Q/*/rc.txt 2>/dev/null; grep -h "^step\|^error" $Q/*/*.log 2>/dev/null | tail -8 ;;
 *) echo "usage: bash bench/qwen3_5_queue.sh start JOB... | wait OUT SECONDS" >&2; exit 2 ;;

@@ -139,8 +139,9 @@ def summarise_reserve(snap, trace):
     gib = 2**30
     streams = collections.defaultdict(lambda: [0, 0])  # each CUDA stream has a pool of its own: [reserved, free]
     for seg in snap["segments"]:
-        streams[seg.get("stream", 0)][0] += seg["total_size"]
-        streams[seg.get("stream", 0)][1] += sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
+        pool = streams[seg.get("stream", 0)]
+        pool[0] += seg["total_size"]
+        pool[1] += sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
     side, alive, side_peak = collections.Counter(), 0, 0  # what the step allocates on streams other than the default
     for e in trace:
         if e.get("stream", 0) and e["action"] in ("alloc", "free_requested"):
@@ -152,7 +153,7 @@ def summarise_reserve(snap, trace):
     return dict(expandable_segments=snap.get("allocator_settings", {}).get("expandable_segments"),
                 side_streams_peak_gib=side_peak / gib, side_largest_gib=[(w, b / gib) for w, b in side.most_common(8)],
                 by_stream_gib={str(k): [v[0] / gib, v[1] / gib] for k, v in streams.items()},
-                end_reserved_gib=sum(seg["total_size"] for seg in snap["segments"]) / gib,
+                end_reserved_gib=sum(r for r, _ in streams.values()) / gib,
                 end_free_gib=sum(free) / gib, end_free_blocks=len(free),
                 end_largest_free_gib=[b / gib for b in free[:8]],
                 grew_gib=sum(e["size"] for e in grew) / gib, times_grown=len(grew),

@@ -56,8 +56,9 @@
 set -u
 Q=/tmp/queue
 # Triton's compiled kernels and fla's autotuning results, kept on disk (on a fresh machine the 9B's 262k run took
-# 418 s to its first step, with the cache cold): `wait` packs them into OUT/triton_cache.tar.xz; copied to
-# .whl/triton_cache.tar.xz and carried into the next machine's `start` call, they are unpacked before the first run
+# 418 s to its first step, with the cache cold): the `wait` that sees the queue end packs them into
+# OUT/triton_cache.tar.xz.part?? (30 MB each: larger files do not come back); copied to .whl/ and carried into a
+# later machine's `start` call, they are unpacked before the first run
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache} TRITON_CACHE_AUTOTUNING=1
 ALL=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj
 AD=q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj  # attention and DeltaNet
@@ -136,7 +137,9 @@ job() {  # name: one job, its output into $Q/name
 case "${1:-}" in
 start)
     shift; mkdir -p $Q "$TRITON_CACHE_DIR"; : > $Q/done.txt
-    if [ -f .whl/triton_cache.tar.xz ]; then tar -xJf .whl/triton_cache.tar.xz -C "$TRITON_CACHE_DIR"; fi
+    if ls .whl/triton_cache.tar.xz.part?? > /dev/null 2>&1; then
+        cat .whl/triton_cache.tar.xz.part?? | tar -xJf - -C "$TRITON_CACHE_DIR"
+    fi
     # the card's memory as the driver sees it (PyTorch's allocator and everything outside it), every 10 s
     setsid bash -c "while sleep 10; do echo \$(date +%T) \$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)
         done" > $Q/smi.txt 2>&1 &
@@ -147,7 +150,10 @@ wait)
     OUT=$2; t=0
     while ! grep -qx all $Q/done.txt 2>/dev/null && [ "$t" -lt "$3" ]; do sleep 5; t=$((t + 5)); done
     cp -r $Q/. "$OUT/"
-    tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 > "$OUT/triton_cache.tar.xz"; du -h "$OUT/triton_cache.tar.xz"
+    if grep -qx all $Q/done.txt; then
+        tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 30M - "$OUT/triton_cache.tar.xz.part"
+        du -ch "$OUT"/triton_cache.tar.xz.part?? | tail -1
+    fi
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
     cat $Q/done.txt; tail -3 $Q/*/rc.txt 2>/dev/null; grep -h "^step\|^error" $Q/*/*.log 2>/dev/null | tail -8 ;;
 *) echo "usage: bash bench/qwen3_5_queue.sh start JOB... | wait OUT SECONDS" >&2; exit 2 ;;

@@ -77,3 +77,31 @@ def test_the_profile_summary_sorts_kernels_by_kind(tmp_path):
     path.write_text(json.dumps(dict(traceEvents=events)))
     got = {k: round(v * 1e6) for k, v in summarise_trace(str(path))["by_kind_s"].items()}
     assert got == {"experts GEMM": 7, "experts rest": 3, "matmul": 5, "deltanet": 4, "attention": 6, "other": 3}
+
+
+def test_the_reserve_summary_splits_pools_by_stream():
+    """bench/profile_step.py's reserve summary on a snapshot made here: each stream's pool reserved and free, the
+    most alive at once on streams other than the compute stream (a free ends a tensor's life), and the largest
+    allocation there by the line that made it."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from profile_step import summarise_reserve
+
+    mib = 2**20
+    snap = dict(allocator_settings=dict(expandable_segments=True), segments=[
+        dict(stream=0, address=0, total_size=10 * mib, blocks=[dict(size=6 * mib, state="active_allocated"),
+                                                               dict(size=4 * mib, state="inactive")]),
+        dict(stream=7, address=0, total_size=5 * mib, blocks=[dict(size=5 * mib, state="inactive")])])
+    reduce = [dict(filename="/x/_fsdp_collectives.py", line=59, name="allocate")]
+    trace = [dict(action="alloc", stream=0, addr=1, size=6 * mib, frames=[]),
+             dict(action="alloc", stream=7, addr=2, size=3 * mib, frames=reduce),
+             dict(action="alloc", stream=7, addr=3, size=2 * mib, frames=reduce),
+             dict(action="free_requested", stream=7, addr=2, size=3 * mib),
+             dict(action="alloc", stream=7, addr=4, size=1 * mib, frames=reduce),
+             dict(action="free_requested", stream=7, addr=3, size=2 * mib),
+             dict(action="free_requested", stream=7, addr=4, size=1 * mib)]
+    got = summarise_reserve(snap, trace)
+    gib = mib / 2**30
+    assert got["by_stream_gib"] == {"0": [10 * gib, 4 * gib], "7": [5 * gib, 5 * gib]}
+    assert got["end_reserved_gib"] == 15 * gib and got["end_free_gib"] == 9 * gib
+    assert got["side_streams_peak_gib"] == 5 * gib
+    assert got["side_largest_gib"] == [("_fsdp_collectives.py:59 allocate", 3 * gib)]

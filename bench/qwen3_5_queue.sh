@@ -110,7 +110,7 @@ job() {  # name: one job, its output into $Q/name
                      --deltanet_tile 16384 > "$d/ab.txt" 2>&1 ;;
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         longest) EXTRA="--fit auto" TIMEOUT=1200 bash bench/qwen3_5_gpu.sh "$d" lora:589824 ;;
-        table) EXTRA="--fit auto" bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;
+        table) EXTRA="--fit auto" TIMEOUT=590 bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;
         moe_tile) MODEL=$MOE EXTRA="--mlp_tile 65536" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         cut) MODEL=bench/configs/qwen3_5-35b-a3b-12l TARGETS=$AD EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         ab) # the 35B-A3B cut to 12 layers (an 80 GB GPU holds it): LoRA on attention and DeltaNet as the code is, then

@@ -42,6 +42,8 @@
 #   longest     the 9B's LoRA at 589,824 tokens with --fit auto (an H200: the longest plan.py fits on one)
 #   table       the 9B's LoRA at 65,536 and 262,144 tokens, the levers --fit auto picks (TRL's table's other two
 #               lengths)
+#   lora131k    the 9B's LoRA at 131,072 tokens, the levers --fit auto picks for the card it runs on (on an H100:
+#               every block offloaded and keeping attention, no MLP outputs kept)
 #   moe_tile    the 35B-A3B's LoRA step with tiles of 65,536 rows (~2,048 rows an expert, not ~512)
 #   cut         the 35B-A3B's 12-layer cut (fits an 80 GB GPU), LoRA on attention and DeltaNet, 4 steps (2-4 timed)
 #   ab          on a 12-layer cut of the 35B-A3B (fits an 80 GB GPU): LoRA as the code is, with the experts adapted,
@@ -111,6 +113,7 @@ job() {  # name: one job, its output into $Q/name
         long) EXTRA="--deltanet_tile 16384 --offload_layers 23" TIMEOUT=900 bash bench/qwen3_5_gpu.sh "$d" lora:524288 ;;
         longest) EXTRA="--fit auto" TIMEOUT=1200 bash bench/qwen3_5_gpu.sh "$d" lora:589824 ;;
         table) EXTRA="--fit auto" TIMEOUT=590 bash bench/qwen3_5_gpu.sh "$d" lora:65536 lora:262144 ;;
+        lora131k) EXTRA="--fit auto" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         moe_tile) MODEL=$MOE EXTRA="--mlp_tile 65536" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         cut) MODEL=bench/configs/qwen3_5-35b-a3b-12l TARGETS=$AD EXTRA="--max_steps 4" bash bench/qwen3_5_gpu.sh "$d" lora:131072 ;;
         ab) # the 35B-A3B cut to 12 layers (an 80 GB GPU holds it): LoRA on attention and DeltaNet as the code is, then
